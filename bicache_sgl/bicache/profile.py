@@ -1,0 +1,103 @@
+"""A bicache profile: the table r (percent of the sequence that is shared prefix) -> safe depth b.
+
+JSON shape::
+
+    {"model": "...", "n_layers": 32, "criterion": "kv-cosine", "threshold": 0.97,
+     "table": [[0, 0], [30, 2], [50, 5], [70, 9], [90, 14]]}
+
+Lookup takes the entry with the largest r at or below the request's r (0 below the first entry).
+The table is kept non-decreasing in b: a larger shared fraction never gets a smaller depth.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROFILE_FILENAME = "bicache_profile.json"
+
+
+@dataclass(frozen=True)
+class BicacheProfile:
+    table: tuple[tuple[float, int], ...]  # (r percent, b), r ascending
+    n_layers: int
+    model: str = ""
+    criterion: str = "kv-cosine"
+    threshold: float = 0.97
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        rs = [r for r, _ in self.table]
+        if rs != sorted(rs) or len(set(rs)) != len(rs):
+            raise ValueError("bicache profile: r values must be strictly increasing")
+        for r, b in self.table:
+            if not 0 <= r <= 100:
+                raise ValueError(f"bicache profile: r={r} is outside [0, 100]")
+            if not 0 <= b <= self.n_layers:
+                raise ValueError(f"bicache profile: depth {b} at r={r} is outside [0, {self.n_layers}]")
+        bs = [b for _, b in self.table]
+        if any(b2 < b1 for b1, b2 in zip(bs, bs[1:])):
+            raise ValueError("bicache profile: depths must be non-decreasing in r")
+
+    @property
+    def max_depth(self) -> int:
+        return max((b for _, b in self.table), default=0)
+
+    def lookup(self, r: float) -> int:
+        """r in [0, 1] -> safe depth b(r)."""
+        pct = 100.0 * r
+        b = 0
+        for rp, bp in self.table:
+            if rp <= pct + 1e-9:
+                b = bp
+            else:
+                break
+        return b
+
+    @staticmethod
+    def monotone(table: list[tuple[float, int]]) -> list[tuple[float, int]]:
+        """Running max so the table is non-decreasing (what calibration writes)."""
+        out, best = [], 0
+        for r, b in sorted(table):
+            best = max(best, int(b))
+            out.append((float(r), best))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "n_layers": self.n_layers, "criterion": self.criterion,
+                "threshold": self.threshold, "table": [[r, b] for r, b in self.table], **self.extra}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BicacheProfile":
+        try:
+            d = json.loads(Path(path).read_text())
+            table = tuple((float(r), int(b)) for r, b in d["table"])
+            known = {"model", "n_layers", "criterion", "threshold", "table"}
+            return cls(table=table, n_layers=int(d["n_layers"]), model=str(d.get("model", "")),
+                       criterion=str(d.get("criterion", "kv-cosine")), threshold=float(d.get("threshold", 0.97)),
+                       extra={k: v for k, v in d.items() if k not in known})
+        except FileNotFoundError:
+            raise ValueError(f"bicache profile {path} does not exist") from None
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+            raise ValueError(f"bicache profile {path} is invalid: {e}") from e
+
+
+def find_profile(model_path: str, explicit: str | None, n_layers: int) -> BicacheProfile | None:
+    """--bicache-profile if given, else bicache_profile.json beside the model, else None."""
+    path = Path(explicit) if explicit else Path(model_path) / PROFILE_FILENAME
+    if not path.exists():
+        if explicit:
+            raise ValueError(f"bicache profile {explicit} does not exist")
+        return None
+    prof = BicacheProfile.load(path)
+    if prof.n_layers != n_layers:
+        raise ValueError(f"bicache profile {path} is for {prof.n_layers} layers, the model has {n_layers}")
+    return prof

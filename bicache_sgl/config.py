@@ -1,0 +1,211 @@
+"""Frozen configuration dataclasses that flow engine -> scheduler -> server.
+
+Every dataclass validates itself in ``__post_init__`` and raises ``ValueError`` with a message
+that names the offending field, so the server can turn it into a 400 as-is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+REMASKING = ("low_confidence", "random")
+CACHE_MODES = ("none", "prefix", "dual")
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+_FIXED_RE = re.compile(r"^fixed:(\d+)$")
+
+
+def parse_prefix_cache_mode(mode: str) -> tuple[str, int | None]:
+    """``off | naive | bicache | fixed:N`` -> (kind, N). Raises ValueError on anything else."""
+    if mode in ("off", "naive", "bicache"):
+        return mode, None
+    m = _FIXED_RE.match(mode or "")
+    if m:
+        return "fixed", int(m.group(1))
+    raise ValueError(f"prefix_cache must be one of off, naive, bicache, fixed:N; got {mode!r}")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters (SGLang's sampling_params plus diffusion knobs).
+
+    ``None`` for a diffusion knob means "use the engine default" (see EngineConfig); the engine
+    resolves it with :meth:`resolved` before the request runs.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    # diffusion decoding
+    block_length: int | None = None
+    steps: int | None = None  # total denoising steps over the generation region
+    steps_per_block: int | None = None  # alternative to ``steps``
+    threshold: float | None = None  # Fast-dLLM confidence threshold; None/0 = fixed schedule
+    remasking: str | None = None
+    cfg_scale: float = 0.0
+    cache_mode: str | None = None  # in-request cache: none | prefix | dual
+    refresh_interval: int | None = None  # steps between in-request cache refreshes (0 = block start only)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool),
+               "max_new_tokens must be an integer")
+        _check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+               f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+               f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be a list of non-negative integers")
+        if self.block_length is not None:
+            _check(isinstance(self.block_length, int) and self.block_length >= 1,
+                   f"block_length must be an integer >= 1, got {self.block_length!r}")
+        if self.steps is not None:
+            _check(isinstance(self.steps, int) and self.steps >= 1, f"steps must be >= 1, got {self.steps!r}")
+        if self.steps_per_block is not None:
+            _check(isinstance(self.steps_per_block, int) and self.steps_per_block >= 1,
+                   f"steps_per_block must be >= 1, got {self.steps_per_block!r}")
+        if self.threshold is not None:
+            _check(isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1,
+                   f"threshold must be in [0, 1], got {self.threshold!r}")
+        if self.remasking is not None:
+            _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        _check(isinstance(self.cfg_scale, (int, float)) and self.cfg_scale >= 0,
+               f"cfg_scale must be >= 0, got {self.cfg_scale!r}")
+        if self.cache_mode is not None:
+            _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        if self.refresh_interval is not None:
+            _check(isinstance(self.refresh_interval, int) and self.refresh_interval >= 0,
+                   f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
+
+    # SGLang clients send many keys we do not use (regex, json_schema, frequency_penalty, ...);
+    # they are accepted and ignored. ``None`` always means "default".
+    _ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "gen_length": "max_new_tokens",
+                "sampling_seed": "seed"}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
+        """Build from an SGLang-style ``sampling_params`` dict. Raises ValueError on bad values."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError("sampling_params must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        for k, v in d.items():
+            k = cls._ALIASES.get(k, k)
+            if k not in names or v is None:
+                continue
+            if k == "stop":
+                v = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else v
+                if not isinstance(v, tuple):
+                    raise ValueError("stop must be a string or a list of strings")
+            elif k == "stop_token_ids":
+                if not isinstance(v, (list, tuple)):
+                    raise ValueError("stop_token_ids must be a list of integers")
+                v = tuple(v)
+            elif k in ("temperature", "top_p", "threshold", "cfg_scale"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"{k} must be a number, got {v!r}")
+                v = float(v)
+            elif k in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed", "block_length", "steps",
+                       "steps_per_block", "refresh_interval"):
+                if isinstance(v, float) and v.is_integer():
+                    v = int(v)
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ValueError(f"{k} must be an integer, got {v!r}")
+            elif k in ("ignore_eos", "skip_special_tokens"):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{k} must be a boolean, got {v!r}")
+            kw[k] = v
+        return cls(**kw)
+
+    def replace(self, **kw: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class DecodeDefaults:
+    """Engine-wide defaults for the diffusion knobs of SamplingParams."""
+
+    block_length: int = 32
+    steps_per_block: int | None = None  # None: one step per token (steps = generation length)
+    threshold: float | None = 0.9
+    remasking: str = "low_confidence"
+    cache_mode: str = "dual"
+    refresh_interval: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}")
+        _check(self.steps_per_block is None or self.steps_per_block >= 1, "steps_per_block must be >= 1")
+        _check(self.threshold is None or 0 <= self.threshold <= 1, f"threshold must be in [0, 1], got {self.threshold}")
+        _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}")
+        _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}")
+        _check(self.refresh_interval >= 0, "refresh_interval must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and run requests."""
+
+    model_path: str | None = None  # None: the bundled default model
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto -> cuda when available, else cpu
+    attention_backend: str = "torch"
+    max_running_requests: int = 16
+    max_queued_requests: int | None = None  # None: unbounded queue
+    context_length: int | None = None
+    # prefix cache (bicache)
+    prefix_cache: str = "bicache"  # off | naive | bicache | fixed:N
+    max_prefix_cache_tokens: int | None = None  # None: derived from memory (cpu: 65536 tokens)
+    mem_fraction_static: float | None = None
+    bicache_profile: str | None = None
+    decode: DecodeDefaults = field(default_factory=DecodeDefaults)
+    random_seed: int = 0
+    chat_template: str | None = None
+    num_threads: int | None = None  # torch CPU threads
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        _check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
+        _check(self.context_length is None or self.context_length >= 1, "context_length must be >= 1")
+        parse_prefix_cache_mode(self.prefix_cache)
+        _check(self.max_prefix_cache_tokens is None or self.max_prefix_cache_tokens >= 0,
+               "max_prefix_cache_tokens must be >= 0")
+        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+               "mem_fraction_static must be in (0, 1)")
+        _check(isinstance(self.decode, DecodeDefaults), "decode must be a DecodeDefaults")
+
+    @property
+    def prefix_cache_kind(self) -> tuple[str, int | None]:
+        return parse_prefix_cache_mode(self.prefix_cache)
+
+    def replace(self, **kw: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def as_tuple(x: Sequence[Any] | None) -> tuple:
+    return tuple(x) if x is not None else ()

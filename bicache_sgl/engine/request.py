@@ -1,0 +1,390 @@
+"""Request objects: what callers submit (GenerateRequest), what they receive (RequestEvent), and
+the engine-side state machine of one request (Req): semi-autoregressive blocks, denoising steps,
+in-request cache refreshes, stop conditions, logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..bicache.policy import DepthChoice
+from ..config import DecodeDefaults, SamplingParams
+from ..decoding import NEG_INF, decide, num_transfer_schedule, select_transfer
+from .forward_batch import Capture, SeqKV, SeqWork
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queued-requests."""
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class RequestEvent:
+    rid: str
+    text: str
+    output_ids: list[int]
+    finished: bool
+    finish_reason: dict | None = None
+    meta_info: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A request's resolved diffusion settings."""
+
+    gen_len: int  # generation region (whole blocks)
+    block_length: int
+    steps_per_block: int
+    threshold: float | None
+    remasking: str
+    cache_mode: str
+    refresh_interval: int
+
+    @classmethod
+    def resolve(cls, p: SamplingParams, d: DecodeDefaults) -> "DecodePlan":
+        block = p.block_length or d.block_length
+        if p.max_new_tokens <= 0:
+            return cls(0, block, 1, None, p.remasking or d.remasking, p.cache_mode or d.cache_mode, 0)
+        n_blocks = -(-p.max_new_tokens // block)
+        gen = n_blocks * block
+        if p.steps_per_block:
+            spb = p.steps_per_block
+        elif p.steps:
+            spb = max(1, p.steps // n_blocks)
+        else:
+            spb = d.steps_per_block or block
+        thr = p.threshold if p.threshold is not None else d.threshold
+        return cls(gen, block, min(spb, block), thr if thr else None, p.remasking or d.remasking,
+                   p.cache_mode or d.cache_mode,
+                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval)
+
+
+class Req:
+    """Engine-thread state of one request. Kinds: ``generate``; ``prefill`` (max_new_tokens 0:
+    one forward that fills the prefix cache); ``score`` (prefill with input logprobs)."""
+
+    def __init__(self, greq: GenerateRequest, plan: DecodePlan, *, mask_id: int, eos_ids: tuple[int, ...],
+                 logit_shift: int, tokenizer, on_event: Callable[[RequestEvent], None] | None, seed: int) -> None:
+        self.greq, self.plan = greq, plan
+        self.rid = greq.rid or uuid.uuid4().hex
+        self.params = greq.params
+        self.prompt = list(greq.input_ids)
+        self.prompt_len = len(self.prompt)
+        self.mask_id, self.shift, self.tokenizer, self.on_event = mask_id, logit_shift, tokenizer, on_event
+        self.eos_ids = () if self.params.ignore_eos else tuple(eos_ids)
+        self.suppress_ids = tuple(eos_ids) + (mask_id,)
+        self.stop_ids = set(self.params.stop_token_ids)
+        if plan.gen_len == 0:
+            self.kind = "score" if greq.return_logprob else "prefill"
+        else:
+            self.kind = "generate"
+        self.seq_len = self.prompt_len + plan.gen_len
+        self.x = torch.tensor(self.prompt + [mask_id] * plan.gen_len, dtype=torch.long)
+        self.generator = torch.Generator().manual_seed(self.params.seed if self.params.seed is not None else seed)
+        self.created = time.perf_counter()
+        # set at admission
+        self.kv: SeqKV | None = None
+        self.uncond: tuple[torch.Tensor, SeqKV] | None = None
+        self.choice = DepthChoice(0, 0, 0, 0.0)
+        self.handle = None
+        self.match_values = np.zeros(0, dtype=np.int64)
+        self.resume_h: torch.Tensor | None = None
+        self.capture: Capture | None = None
+        # decoding progress
+        self.block = 0
+        self.step_in_block = 0
+        self.schedule: list[int] = []
+        self.final_len = 0  # generated positions that are final (whole blocks)
+        self.out_ids: list[int] = []
+        self.text = ""
+        self.finished = False
+        self.finish_reason: dict | None = None
+        self.error: str | None = None
+        self.aborted = False
+        # logprobs: position -> (logprob, [(lp, id), ...])
+        self.out_logprobs: dict[int, tuple[float, list[tuple[float, int]]]] = {}
+        self.input_logprobs: list[tuple[float | None, int, list[tuple[float, int]] | None]] | None = None
+        self._pending: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._score_pending: tuple[np.ndarray, np.ndarray] | None = None
+        self._score_kv: SeqKV | None = None
+        # accounting
+        self.forward_passes = 0
+        self.tokens_computed = 0
+        self.computed_layer_tokens = 0
+        self.skipped_layer_tokens = 0
+
+    # ---------------------------------------------------------------------------------- planning
+    @property
+    def block_range(self) -> tuple[int, int]:
+        s = self.prompt_len + self.block * self.plan.block_length
+        return s, s + self.plan.block_length
+
+    def _needs_refresh(self) -> bool:
+        p = self.plan
+        if p.cache_mode == "none" or self.step_in_block == 0:
+            return True
+        return p.refresh_interval > 0 and self.step_in_block % p.refresh_interval == 0
+
+    def plan_step(self, n_layers: int) -> list[SeqWork]:
+        """The sequences this request contributes to the next batched forward."""
+        works: list[SeqWork] = []
+        if self.kind != "generate":
+            works.append(self._prefill_work())
+            if self.kind == "score" or (self.greq.return_logprob and self.greq.logprob_start_len >= 0):
+                works.append(self._score_work())
+            return works
+        N = self.seq_len
+        bs, be = self.block_range
+        refresh = self._needs_refresh()
+        if refresh:
+            positions = np.arange(N, dtype=np.int64)
+        elif self.plan.cache_mode == "prefix":
+            positions = np.arange(bs, N, dtype=np.int64)
+        else:  # dual: the block only (Dream also needs the row before it for the shifted logits)
+            positions = np.arange(bs - self.shift, be, dtype=np.int64)
+        in_block = self.x[bs:be]
+        masked = bs + np.nonzero((in_block == self.mask_id).numpy())[0]
+        if self.step_in_block == 0:
+            self.schedule = num_transfer_schedule(len(masked), self.plan.steps_per_block)
+        self._pending = masked
+        depth = self.choice.depth if refresh else 0
+        skip = self.choice.prefix if refresh else 0
+        works.append(SeqWork(self.kv, self.x, positions, masked - self.shift, depth=depth, skip=skip,
+                             resume_h=self.resume_h if skip else None, capture=self.capture))
+        if self.uncond is not None:
+            x_un, kv_un = self.uncond
+            x_un[self.prompt_len:] = self.x[self.prompt_len:]
+            works.append(SeqWork(kv_un, x_un, positions, masked - self.shift))
+        if self.greq.return_logprob and self.greq.logprob_start_len >= 0 and self.forward_passes == 0:
+            works.append(self._score_work())
+        self._count(positions, depth, skip, n_layers)
+        return works
+
+    def _prefill_work(self) -> SeqWork:
+        pos = np.arange(self.prompt_len, dtype=np.int64)
+        return SeqWork(self.kv, self.x, pos, np.zeros(0, dtype=np.int64), capture=self.capture)
+
+    def _score_work(self) -> SeqWork:
+        """Input likelihoods (DESIGN.md section 8): mask positions [s, n) together and read
+        log p(token_i | unmasked rest) for each in one forward."""
+        n = self.prompt_len
+        start = self.greq.logprob_start_len
+        if start < 0:  # prefill-only with return_logprob and no start: every position
+            start = 0
+        s = max(start, 1)
+        x = self.x[:n].clone()
+        x[s:n] = self.mask_id
+        targets = np.arange(s, n, dtype=np.int64)
+        self._score_pending = (np.arange(start, n, dtype=np.int64), targets)
+        kv = self._score_kv
+        return SeqWork(kv, x, np.arange(n, dtype=np.int64), targets - self.shift)
+
+    def _count(self, positions: np.ndarray, depth: int, skip: int, n_layers: int) -> None:
+        self.forward_passes += 1
+        self.tokens_computed += len(positions)
+        self.computed_layer_tokens += len(positions) * n_layers - skip * depth
+        self.skipped_layer_tokens += skip * depth
+
+    # ----------------------------------------------------------------------------------- results
+    def apply(self, logits: list[torch.Tensor], n_layers: int) -> bool:
+        """Consume this request's logits (one tensor per SeqWork it planned). Returns True when a
+        block became final (an event should be emitted)."""
+        if self.kind != "generate":
+            self.forward_passes += 1
+            self.tokens_computed += self.prompt_len
+            self.computed_layer_tokens += self.prompt_len * n_layers
+            if len(logits) > 1:
+                self._apply_score(logits[1])
+            self.final_len = 0
+            self._finish({"type": "length", "length": 0})
+            return True
+        lg = logits[0]
+        k = 1
+        if self.uncond is not None:
+            un = logits[k]
+            k += 1
+            lg = un + (self.params.cfg_scale + 1.0) * (lg - un)
+        if len(logits) > k:
+            self._apply_score(logits[k])
+        return self._transfer(lg)
+
+    def _transfer(self, lg: torch.Tensor) -> bool:
+        p = self.params
+        lg = lg.clone()
+        lg[:, self.mask_id] = NEG_INF
+        if p.ignore_eos:
+            lg[:, list(self.suppress_ids)] = NEG_INF
+        elif p.min_new_tokens > 0:
+            early = torch.from_numpy(self._pending - self.prompt_len < p.min_new_tokens)
+            if early.any():
+                rows = early.nonzero()[:, 0]
+                ban = list(self.suppress_ids) + sorted(self.stop_ids)
+                lg[rows[:, None], torch.tensor(ban)[None, :]] = NEG_INF
+        x0, conf, lp = decide(lg, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                              remasking=self.plan.remasking, generator=self.generator)
+        k = self.schedule[self.step_in_block] if self.step_in_block < len(self.schedule) else 1
+        chosen = select_transfer(conf, k, self.plan.threshold)
+        pos = torch.from_numpy(self._pending)[chosen]
+        self.x[pos] = x0[chosen]
+        if self.greq.return_logprob:
+            self._record_out_logprobs(lg, chosen, x0, lp)
+        bs, be = self.block_range
+        if bool((self.x[bs:be] == self.mask_id).any()):
+            self.step_in_block += 1
+            return False
+        self.block += 1
+        self.step_in_block = 0
+        self.final_len = be - self.prompt_len
+        self._check_stop()
+        return True
+
+    def _record_out_logprobs(self, lg, chosen, x0, lp) -> None:
+        k = self.greq.top_logprobs_num
+        top = None
+        if k > 0:
+            lsm = torch.log_softmax(lg[chosen].double(), dim=-1)
+            tv, ti = torch.topk(lsm, min(k, lsm.shape[-1]), dim=-1)
+        for j, c in enumerate(chosen.tolist()):
+            pos = int(self._pending[c])
+            if k > 0:
+                top = list(zip(tv[j].tolist(), ti[j].tolist()))
+            self.out_logprobs[pos] = (float(lp[c]), top or [])
+
+    def _apply_score(self, lg: torch.Tensor) -> None:
+        report, targets = self._score_pending
+        lsm = torch.log_softmax(lg.double(), dim=-1)
+        tgt = torch.tensor([self.prompt[t] for t in targets], dtype=torch.long)
+        vals = lsm.gather(-1, tgt[:, None])[:, 0].tolist()
+        k = self.greq.top_logprobs_num
+        tops = None
+        if k > 0:
+            tv, ti = torch.topk(lsm, min(k, lsm.shape[-1]), dim=-1)
+        by_pos = {}
+        for j, t in enumerate(targets.tolist()):
+            by_pos[t] = (vals[j], list(zip(tv[j].tolist(), ti[j].tolist())) if k > 0 else None)
+        out = []
+        for pos in report.tolist():
+            lpv, tops = by_pos.get(pos, (None, None))
+            out.append((lpv, self.prompt[pos], tops))
+        self.input_logprobs = out
+        self._score_pending = None
+        self._score_kv = None
+
+    # -------------------------------------------------------------------------------- stopping
+    def _check_stop(self) -> None:
+        p = self.params
+        gen = self.x[self.prompt_len:self.prompt_len + self.final_len].tolist()
+        limit = min(len(gen), p.max_new_tokens)
+        cut, reason = limit, None
+        for i in range(min(p.min_new_tokens, limit), limit):
+            t = gen[i]
+            if t in self.eos_ids or t in self.stop_ids:
+                cut, reason = i, {"type": "stop", "matched": t}
+                break
+        ids = gen[:cut]
+        text = self._decode(ids)
+        if p.stop:
+            hit = self._find_stop(ids, text)
+            if hit is not None:
+                ids, text, matched = hit
+                cut, reason = len(ids), {"type": "stop", "matched": matched}
+        self.out_ids, self.text = ids, text
+        if reason is None and self.final_len >= p.max_new_tokens:
+            reason = {"type": "length", "length": p.max_new_tokens}
+        if reason is None and self.final_len >= self.plan.gen_len:
+            reason = {"type": "length", "length": len(ids)}
+        if reason is not None:
+            self._finish(reason)
+
+    def _find_stop(self, ids: list[int], text: str):
+        """Earliest stop string (after min_new_tokens) -> (ids up to it, trimmed text, matched)."""
+        best = None
+        for s in self.params.stop:
+            if not s:
+                continue
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        # shortest token prefix whose text reaches the end of the stop string
+        n = len(ids)
+        for j in range(max(self.params.min_new_tokens, 1), len(ids) + 1):
+            if len(self._decode(ids[:j])) >= i + len(s):
+                n = j
+                break
+        return ids[:n], text[:i], s
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _finish(self, reason: dict) -> None:
+        self.finished = True
+        self.finish_reason = reason
+
+    def fail(self, message: str, kind: str = "abort") -> None:
+        self.error = message if kind == "error" else None
+        self.finished = True
+        self.finish_reason = {"type": "abort", "message": message}
+
+    # ----------------------------------------------------------------------------------- events
+    def meta_info(self) -> dict[str, Any]:
+        m = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": len(self.out_ids),
+            "cached_tokens": self.choice.matched,
+            "bicache_depth": self.choice.depth,
+            "prefix_fraction": round(self.choice.r, 6),
+            "reused_prefix_tokens": self.choice.prefix,
+            "skipped_layer_tokens": self.skipped_layer_tokens,
+            "computed_layer_tokens": self.computed_layer_tokens,
+            "forward_passes": self.forward_passes,
+            "tokens_computed": self.tokens_computed,
+            "e2e_latency": time.perf_counter() - self.created,
+        }
+        if self.greq.return_logprob:
+            m.update(self._logprob_meta())
+        return m
+
+    def _tok_text(self, tid: int) -> str | None:
+        return self.tokenizer.decode([tid]) if self.greq.return_text_in_logprobs else None
+
+    def _logprob_meta(self) -> dict[str, Any]:
+        def top_list(tops):
+            return None if tops is None else [[lp, t, self._tok_text(t)] for lp, t in tops]
+        inp = self.input_logprobs or []
+        out_pos = [self.prompt_len + i for i in range(len(self.out_ids))]
+        outs = [self.out_logprobs.get(p, (None, [])) for p in out_pos]
+        m = {
+            "input_token_logprobs": [[lp, t, self._tok_text(t)] for lp, t, _ in inp],
+            "output_token_logprobs": [[lp, t, self._tok_text(t)] for (lp, _), t in zip(outs, self.out_ids)],
+            "output_token_logprobs_length": len(self.out_ids),
+        }
+        if self.greq.top_logprobs_num > 0:
+            m["input_top_logprobs"] = [top_list(tops) for _, _, tops in inp]
+            m["output_top_logprobs"] = [top_list(tops) for (_, tops) in outs]
+        return m
+
+    def event(self) -> RequestEvent:
+        return RequestEvent(self.rid, self.text, list(self.out_ids), self.finished, self.finish_reason,
+                            self.meta_info() if self.finished else {"id": self.rid}, self.error)

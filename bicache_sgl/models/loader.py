@@ -1,0 +1,179 @@
+"""Load a LLaDA / Dream checkpoint: local folder or Hugging Face hub id, single or sharded
+safetensors, tokenizer and chat template from the same folder.
+
+Every failure is a CheckpointError whose message names the file, key or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import CheckpointError, ModelConfig, parse_model_config
+from .model import DiffusionLM
+from .weights import checkpoint_names
+
+log = logging.getLogger(__name__)
+
+DTYPE_MAP = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def default_model_path() -> str:
+    """The bundled default model shipped inside the package."""
+    return str(Path(__file__).resolve().parent.parent / "assets" / "default_model")
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """A local folder as-is; ``org/name`` fetched from the hub (config, safetensors, tokenizer)."""
+    if model_path is None:
+        path = default_model_path()
+        if not (Path(path) / "config.json").exists():
+            raise CheckpointError(f"the bundled default model is missing at {path}; pass --model-path")
+        return path
+    p = Path(os.path.expanduser(model_path))
+    if p.is_dir():
+        return str(p)
+    if p.exists():
+        raise CheckpointError(f"model path {model_path} is a file; expected a checkpoint folder with config.json")
+    if model_path.count("/") != 1 or model_path.startswith((".", "/")):
+        raise CheckpointError(f"model path {model_path!r} is neither a local folder nor a Hugging Face hub id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
+                                                             "*.py", "tokenizer*"])
+    except Exception as e:  # network errors come in many types; the message is what matters
+        raise CheckpointError(f"could not fetch {model_path!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+                              "Is the hub reachable? Download the checkpoint elsewhere and pass its local folder.") from e
+
+
+def read_config(path: str) -> dict[str, Any]:
+    f = Path(path) / "config.json"
+    if not f.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f} must hold a JSON object")
+    return cfg
+
+
+def load_model_config(path: str) -> ModelConfig:
+    return parse_model_config(read_config(path), name=Path(path).name)
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """checkpoint tensor name -> file, from the index (sharded) or the single file."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a weight_map): {e}") from e
+        missing = sorted({f for f in wm.values() if not (p / f).exists()})
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return {k: str(p / f) for k, f in wm.items()}
+    single = p / "model.safetensors"
+    files = [single] if single.exists() else sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no safetensors weights (model.safetensors or an index file)")
+    from safetensors import safe_open
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    out[k] = str(f)
+        except Exception as e:
+            raise CheckpointError(f"cannot read {f}: not a valid safetensors file ({e})") from e
+    return out
+
+
+def load_state_dict(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    where = _weight_files(path)
+    expected = checkpoint_names(cfg)
+    missing = [ck for ck, _ in expected.values() if ck not in where]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}{more}")
+    by_file: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for ours, (ck, shape) in expected.items():
+        by_file.setdefault(where[ck], []).append((ours, ck, shape))
+    sd = {}
+    for f, items in by_file.items():
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for ours, ck, shape in items:
+                    t = sf.get_tensor(ck)
+                    if tuple(t.shape) != shape:
+                        raise CheckpointError(f"tensor {ck} in {Path(f).name} has shape {tuple(t.shape)}, "
+                                              f"expected {shape} from config.json")
+                    if t.dtype not in _FLOAT_DTYPES:
+                        raise CheckpointError(f"tensor {ck} in {Path(f).name} has dtype {t.dtype}; expected a float dtype")
+                    sd[ours] = t.to(dtype)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot read weights from {f} (truncated or corrupt safetensors?): {e}") from e
+    extra = sorted(set(where) - {ck for ck, _ in expected.values()})
+    extra = [k for k in extra if "rotary" not in k and "inv_freq" not in k]
+    if extra:
+        log.warning("ignoring %d unexpected tensor(s) in %s, e.g. %s", len(extra), path, extra[0])
+    return sd
+
+
+def pick_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPE_MAP[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slow and lossy on most CPUs
+    return DTYPE_MAP.get(str(cfg.torch_dtype), torch.bfloat16) if cfg.torch_dtype != "float32" else torch.float32
+
+
+def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu") -> tuple[DiffusionLM, ModelConfig]:
+    """Build the model for a resolved checkpoint folder and load its weights (validated)."""
+    cfg = load_model_config(path)
+    dev = torch.device(device)
+    tdtype = pick_dtype(dtype, cfg, dev)
+    sd = load_state_dict(path, cfg, tdtype)
+    with torch.device("meta"):
+        model = DiffusionLM(cfg)
+    model = model.to_empty(device=dev).to(tdtype)
+    model.load_state_dict(sd, strict=True, assign=False)
+    model.eval()
+    return model, cfg
+
+
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """``AutoTokenizer`` from the folder (no remote code), falling back to its tokenizer.json."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    p = Path(path)
+    if not ((p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists()
+            or (p / "tokenizer.model").exists()):
+        raise CheckpointError(f"no tokenizer found in {path} (expected tokenizer.json or tokenizer_config.json); "
+                              "pass --tokenizer-path")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        if (p / "tokenizer.json").exists():
+            log.warning("AutoTokenizer failed for %s (%s); using tokenizer.json directly", path, e)
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"))
+        else:
+            raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+    if chat_template:
+        tpl = Path(chat_template)
+        tok.chat_template = tpl.read_text() if tpl.exists() else chat_template
+    elif not getattr(tok, "chat_template", None) and (p / "chat_template.jinja").exists():
+        tok.chat_template = (p / "chat_template.jinja").read_text()
+    return tok

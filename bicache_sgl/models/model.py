@@ -1,0 +1,189 @@
+"""One native torch implementation for both supported diffusion LMs (LLaDA and Dream).
+
+Both are pre-norm Llama-style stacks with bidirectional attention: RMSNorm, RoPE (rotate-half,
+applied in fp32), SwiGLU MLP. They differ only in tensor names, biases, GQA and Dream's logit
+shift, all captured by ModelConfig and models/weights.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention.base import AttentionBackend
+from ..attention.torch_backend import sdpa_one
+from ..engine.forward_batch import ForwardBatch
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, qd, kv, ff = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.intermediate_size
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, qd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(qd, d, bias=cfg.o_bias)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(ff, d, bias=cfg.mlp_bias)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.ffn_norm(h)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DiffusionLM(nn.Module):
+    """LLaDA / Dream transformer with a packed, cache-aware forward (``forward_batch``) and a plain
+    dense one (``forward_dense``, used for calibration and checks)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, D] final residual -> [n, V] fp32 logits."""
+        x = self.norm(h)
+        w = self.embed.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, w).float()
+
+    def rope_tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [n_max, Dh], grown on demand."""
+        if self._rope is None or self._rope[0].shape[0] < n or self._rope[0].device != device:
+            n_max = max(n, 2 * (self._rope[0].shape[0] if self._rope is not None else 0), 256)
+            hd = self.cfg.head_dim
+            inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+            t = torch.arange(n_max, dtype=torch.float32, device=device)
+            emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1)
+            self._rope = (emb.cos(), emb.sin())
+        return self._rope
+
+    def apply_rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [n, H, Dh], pos [n] -> rotated x (computed in fp32, returned in x.dtype)."""
+        cos_t, sin_t = self.rope_tables(int(pos.max()) + 1 if pos.numel() else 1, x.device)
+        cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
+        xf = x.float()
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+    def _qkv(self, layer: DecoderLayer, h: torch.Tensor, pos: torch.Tensor):
+        cfg = self.cfg
+        x = layer.attn_norm(h)
+        q = layer.q_proj(x).view(-1, cfg.n_heads, cfg.head_dim)
+        k = layer.k_proj(x).view(-1, cfg.n_kv_heads, cfg.head_dim)
+        v = layer.v_proj(x).view(-1, cfg.n_kv_heads, cfg.head_dim)
+        return self.apply_rope(q, pos), self.apply_rope(k, pos), v
+
+    # ---- dense forward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_dense(self, ids: torch.Tensor, return_states: bool = False):
+        """ids [N] -> logits [N, V] (unshifted: row i is the output at position i).
+        With return_states also returns per-layer (h_in [N, D], k [N, Hkv, Dh], v) lists."""
+        pos = torch.arange(ids.shape[0], device=ids.device)
+        h = self.embed(ids)
+        states = []
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, h, pos)
+            if return_states:
+                states.append((h, k, v))
+            a = sdpa_one(q, k, v).reshape(h.shape[0], -1)
+            h = h + layer.o_proj(a)
+            h = h + layer.mlp(h)
+        logits = self.lm_logits(h)
+        return (logits, states) if return_states else logits
+
+    # ---- packed, cache-aware forward ----------------------------------------------------------
+    @torch.no_grad()
+    def forward_batch(self, fb: ForwardBatch, attn: AttentionBackend, pool=None) -> torch.Tensor:
+        """Run one forward for every sequence in ``fb``; returns fp32 logits [len(fb.logit_rows), V]
+        in sequence order (fb.logit_indptr). ``pool`` (a PrefixPool) receives captures."""
+        cfg, L = self.cfg, self.cfg.n_layers
+        attn.begin_forward()
+        seg_iter = iter(fb.segments)
+        seg = next(seg_iter)
+        next_seg = next(seg_iter, None)
+        rows_t = torch.from_numpy(seg.rows).to(fb.device)
+        h = self.embed(fb.row_ids[rows_t])
+        pos = fb.row_pos[rows_t]
+        captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None and pool is not None]
+        cap_rows = self._capture_rows(fb, captures)
+        logit_rows_t = torch.from_numpy(fb.logit_rows).to(fb.device)
+        for li, layer in enumerate(self.layers):
+            if next_seg is not None and next_seg.start_layer == li:
+                new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
+                new_h[next_seg.join_into] = h
+                new_h[next_seg.join_new] = next_seg.join_h.to(h.dtype)
+                h, seg = new_h, next_seg
+                next_seg = next(seg_iter, None)
+                rows_t = torch.from_numpy(seg.rows).to(fb.device)
+                pos = fb.row_pos[rows_t]
+                cap_rows = self._capture_rows(fb, captures, seg)
+            if li >= 1:
+                for (i, c), r in zip(captures, cap_rows):
+                    if li <= c.depth:
+                        pool.write_h(li, c.slots, h[r])
+            q, k, v = self._qkv(layer, h, pos)
+            keys, vals = [], []
+            for i, s in enumerate(fb.seqs):
+                a, b = seg.q_indptr[i], seg.q_indptr[i + 1]
+                s.kv.k[li].index_copy_(0, seg.seq_positions[i], k[a:b])
+                s.kv.v[li].index_copy_(0, seg.seq_positions[i], v[a:b])
+                keys.append(s.kv.k[li])
+                vals.append(s.kv.v[li])
+            for (i, c), r in zip(captures, cap_rows):
+                if li < c.depth:
+                    pool.write_kv(li, c.slots, k[r], v[r])
+            if li == L - 1:
+                # The last layer's outputs matter only where logits are read: every other row
+                # needed just its K/V (written above), so attention/MLP run on logit rows only.
+                if len(fb.logit_rows) == 0:
+                    return torch.empty(0, cfg.vocab_size, device=fb.device)
+                sel = torch.from_numpy(np.searchsorted(seg.rows, fb.logit_rows)).to(fb.device)
+                q, h = q[sel], h[sel]
+                q_indptr = fb.logit_indptr
+                layout = ("logits",)
+            else:
+                q_indptr, layout = seg.q_indptr, ("seg", seg.start_layer)
+            a_out = attn.attend(q, keys, vals, q_indptr, layout).reshape(q.shape[0], -1)
+            h = h + layer.o_proj(a_out)
+            h = h + layer.mlp(h)
+        return self.lm_logits(h)
+
+    @staticmethod
+    def _capture_rows(fb: ForwardBatch, captures, seg=None) -> list[torch.Tensor]:
+        seg = seg or fb.segments[0]
+        out = []
+        offs = np.cumsum([0] + [len(s.positions) for s in fb.seqs])
+        for i, c in captures:
+            s = fb.seqs[i]
+            full = offs[i] + np.searchsorted(s.positions, c.positions)
+            out.append(torch.from_numpy(np.searchsorted(seg.rows, full)).to(fb.device))
+        return out
+

@@ -1,0 +1,115 @@
+"""Tiny random checkpoints in the real LLaDA / Dream formats, with a real byte-level tokenizer.
+
+Used by the tests and benchmarks (no model hub on CI machines). The files are exactly what the
+real checkpoints ship: config.json with the real keys, safetensors (single or sharded with
+``model.safetensors.index.json``) with the real tensor names, and a Hugging Face tokenizer that
+``AutoTokenizer.from_pretrained(folder)`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .models.config import parse_model_config
+from .models.weights import checkpoint_names
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|eot_id|>", "<|mask|>", "<|start_header_id|>", "<|end_header_id|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                 "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                 "\n\n{% endif %}")
+
+
+def save_byte_tokenizer(folder: str | Path) -> dict[str, int]:
+    """A byte-level tokenizer (one token per UTF-8 byte, 256 ids) plus special tokens.
+    Returns the special-token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   mask_token="<|mask|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return {t: tk.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: int, std: float) -> None:
+    from safetensors.torch import save_file
+    cfg = parse_model_config(cfg_dict)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for ours, (ck, shape) in checkpoint_names(cfg).items():
+        if ours.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif ours.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        else:
+            t = std * torch.randn(shape, generator=g)
+        tensors[ck] = t.contiguous()
+    names = list(tensors)
+    if shards <= 1:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    per = (len(names) + shards - 1) // shards
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in names[s * per:(s + 1) * per]}
+        save_file(part, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def make_tiny_llada(folder: str | Path, *, n_layers: int = 4, d_model: int = 64, n_heads: int = 4,
+                    n_kv_heads: int | None = None, mlp_hidden_size: int = 128, seed: int = 0, shards: int = 1,
+                    std: float = 0.08, weight_tying: bool = False) -> str:
+    """A random LLaDA checkpoint (LLaDAModelLM config keys and tensor names)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    special = save_byte_tokenizer(folder)
+    vocab = 256 + len(SPECIAL_TOKENS)
+    cfg = {
+        "architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu", "alibi": False,
+        "block_type": "llama", "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads or n_heads, "mlp_hidden_size": mlp_hidden_size, "mlp_ratio": 4,
+        "max_sequence_length": 4096, "rope": True, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "layer_norm_type": "rms", "include_bias": False, "include_qkv_bias": False, "weight_tying": weight_tying,
+        "vocab_size": vocab, "embedding_size": vocab, "mask_token_id": special["<|mask|>"],
+        "eos_token_id": special["<|endoftext|>"], "pad_token_id": special["<|endoftext|>"],
+        "scale_logits": False, "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    _write_weights(folder, cfg, seed, shards, std)
+    return str(folder)
+
+
+def make_tiny_dream(folder: str | Path, *, n_layers: int = 4, hidden_size: int = 64, n_heads: int = 4,
+                    n_kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0, shards: int = 1,
+                    std: float = 0.08) -> str:
+    """A random Dream checkpoint (Qwen2-style names, GQA, q/k/v biases, shifted logits)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    special = save_byte_tokenizer(folder)
+    vocab = 256 + len(SPECIAL_TOKENS)
+    cfg = {
+        "architectures": ["DreamModel"], "model_type": "Dream", "hidden_act": "silu", "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+        "num_hidden_layers": n_layers, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "vocab_size": vocab,
+        "mask_token_id": special["<|mask|>"], "eos_token_id": special["<|endoftext|>"],
+        "pad_token_id": special["<|endoftext|>"], "bos_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    _write_weights(folder, cfg, seed, shards, std)
+    return str(folder)
