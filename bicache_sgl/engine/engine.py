@@ -86,8 +86,7 @@ class Engine:
         self.eos_ids = tuple(sorted(eos))
         self.profile = None
         self.cache = self._build_prefix_cache()
-        self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_queued_requests,
-                                   prefix_aware=self.cache.enabled)
+        self.scheduler = Scheduler(cfg.max_running_requests, prefix_aware=self.cache.enabled)
         self.running: list[Req] = []
         self._inbox: list[Req] = []
         self._aborts: set[str] = set()
@@ -161,21 +160,32 @@ class Engine:
 
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
-        self.validate(greq)
+        return self.submit_many([greq], [on_event])[0]
+
+    def submit_many(self, greqs: Sequence[GenerateRequest],
+                    on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:
+        """Queue several requests atomically (they become visible to the same step)."""
+        for g in greqs:
+            self.validate(g)
         with self._cv:
-            if self.scheduler.queue_full():
+            if self.config.max_queued_requests is not None and \
+                    len(self.scheduler.waiting) + len(self._inbox) + len(greqs) > self.config.max_queued_requests:
                 raise QueueFullError(f"the request queue is full ({self.config.max_queued_requests} waiting)")
-            self._seed_counter += 1
-            req = Req(greq, DecodePlan.resolve(greq.params, self.config.decode), mask_id=self.model_config.mask_token_id,
-                      eos_ids=self.eos_ids, logit_shift=self.model_config.logit_shift, tokenizer=self.tokenizer,
-                      on_event=on_event, seed=self._seed_counter)
-            if req.rid in self._by_rid:
-                raise ValueError(f"request id {req.rid!r} is already in use")
-            self._by_rid[req.rid] = req
-            self._inbox.append(req)
+            reqs = []
+            for g, cb in zip(greqs, on_events):
+                self._seed_counter += 1
+                req = Req(g, DecodePlan.resolve(g.params, self.config.decode), mask_id=self.model_config.mask_token_id,
+                          eos_ids=self.eos_ids, logit_shift=self.model_config.logit_shift, tokenizer=self.tokenizer,
+                          on_event=cb, seed=self._seed_counter)
+                if req.rid in self._by_rid or any(r.rid == req.rid for r in reqs):
+                    raise ValueError(f"request id {req.rid!r} is already in use")
+                reqs.append(req)
+            for req in reqs:
+                self._by_rid[req.rid] = req
+                self._inbox.append(req)
             self._cv.notify_all()
         self.start()
-        return req.rid
+        return [r.rid for r in reqs]
 
     def abort(self, rid: str) -> None:
         with self._cv:
@@ -413,6 +423,8 @@ class Engine:
             SamplingParams.from_dict(sampling_params)
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt and input_ids")
+        if (prompt is not None and len(prompt) == 0) or (input_ids is not None and len(input_ids) == 0):
+            raise ValueError("the prompt is empty")
         single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -435,8 +447,7 @@ class Engine:
                     done.release()
             return cb
 
-        for i, g in enumerate(greqs):
-            self.submit(g, make_cb(i))
+        self.submit_many(greqs, [make_cb(i) for i in range(len(greqs))])
         deadline = None if timeout is None else time.time() + timeout
         for _ in greqs:
             if not done.acquire(timeout=None if deadline is None else max(0.0, deadline - time.time())):

@@ -97,8 +97,11 @@ class ForwardBatch:
             depths.append(s.depth)
             skip_rows.append(np.arange(base, base + s.skip))
             # positions -> rows: positions are sorted, so searchsorted maps exactly
-            lr = base + np.searchsorted(s.positions, s.logit_positions)
-            assert np.all(s.positions[lr - base] == s.logit_positions), "logit position not computed"
+            idx = np.searchsorted(s.positions, s.logit_positions)
+            ok = idx < len(s.positions)
+            if not (ok.all() and np.all(s.positions[idx[ok]] == s.logit_positions)):
+                raise ValueError("a logit position is not among the computed positions")
+            lr = base + idx
             assert s.skip == 0 or np.all(s.logit_positions >= s.positions[s.skip - 1] + 1), "logit row inside S"
             logit_rows.append(lr)
             logit_indptr.append(logit_indptr[-1] + len(lr))

@@ -156,7 +156,7 @@ class Req:
         if refresh:
             positions = np.arange(N, dtype=np.int64)
         elif self.plan.cache_mode == "prefix":
-            positions = np.arange(bs, N, dtype=np.int64)
+            positions = np.arange(bs - self.shift, N, dtype=np.int64)
         else:  # dual: the block only (Dream also needs the row before it for the shifted logits)
             positions = np.arange(bs - self.shift, be, dtype=np.int64)
         in_block = self.x[bs:be]

@@ -32,14 +32,10 @@ class Scheduler:
       prefix trigger the deferral.
     """
 
-    def __init__(self, max_running: int, max_queued: int | None = None, min_shared: int = 16,
-                 prefix_aware: bool = True) -> None:
-        self.max_running, self.max_queued = max_running, max_queued
+    def __init__(self, max_running: int, min_shared: int = 16, prefix_aware: bool = True) -> None:
+        self.max_running = max_running
         self.min_shared, self.prefix_aware = min_shared, prefix_aware
         self.waiting: deque = deque()
-
-    def queue_full(self) -> bool:
-        return self.max_queued is not None and len(self.waiting) >= self.max_queued
 
     def add(self, req) -> None:
         self.waiting.append(req)

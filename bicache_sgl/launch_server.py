@@ -1,0 +1,64 @@
+"""``python -m bicache_sgl.launch_server`` / ``bicache-sgl-server``: start the HTTP server.
+
+Flags follow SGLang's ``launch_server`` (``--model-path``, ``--port``, ``--api-key`` ...) plus
+the diffusion and bicache knobs; run with ``--help`` for the list. Unknown SGLang flags are
+accepted with a warning. Once the warmup request has gone through, the log shows
+``The server is fired up and ready to roll! URL: http://HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Sequence
+
+from bicache_sgl.server.args import ServerArgs, parse_args
+
+logger = logging.getLogger("bicache_sgl.server")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+
+
+def build_engine(args: ServerArgs) -> Any:
+    from bicache_sgl import Engine
+
+    return Engine(config=args.engine_config())
+
+
+def serve(args: ServerArgs, engine: Any | None = None) -> None:
+    """Build the engine (unless given), then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from bicache_sgl.server.app import create_app
+
+    shown = {k: v for k, v in args.public_dict().items() if v not in (None, False, (), [])}
+    logger.info("server args: %s", shown)
+    if engine is None:
+        engine = build_engine(args)
+    logger.info("model loaded: %s", getattr(engine, "model_path", args.model_path))
+    app = create_app(engine, args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level == "debug", timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5, log_config=None)
+    uvicorn.Server(config).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # logging before parsing, so the warning about unknown flags is shown
+    level = "info"
+    for i, a in enumerate(argv):
+        if a == "--log-level" and i + 1 < len(argv):
+            level = argv[i + 1].lower()
+        elif a.startswith("--log-level="):
+            level = a.split("=", 1)[1].lower()
+    setup_logging(level if level in ("debug", "info", "warning", "error", "critical") else "info")
+    args = parse_args(argv)
+    serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""SGLang-compatible HTTP server (native ``/generate`` API and the OpenAI API) over the engine."""
+
+from __future__ import annotations
+
+try:
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    try:
+        __version__ = _version("bicache-sgl")
+    except PackageNotFoundError:
+        __version__ = "0.1.0"
+except Exception:  # noqa: BLE001
+    __version__ = "0.1.0"
+
+from bicache_sgl.server.args import ServerArgs, build_parser, parse_args  # noqa: E402
+from bicache_sgl.server.protocol import APIError  # noqa: E402
+
+
+def create_app(engine, args: ServerArgs):
+    """The FastAPI app serving ``engine`` (imported lazily: FastAPI is only needed here)."""
+    from bicache_sgl.server.app import create_app as _create
+
+    return _create(engine, args)
+
+
+__all__ = ["APIError", "ServerArgs", "build_parser", "create_app", "parse_args", "__version__"]

@@ -1,0 +1,299 @@
+"""Command-line flags of ``bicache-sgl-server`` (SGLang's common flags plus the diffusion knobs).
+
+SGLang harnesses pass many flags this server has no use for (``--cuda-graph-bs``,
+``--grammar-backend`` ...). They are accepted with a warning instead of failing the launch
+(``parse_known_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from bicache_sgl.config import CACHE_MODES, DTYPES, REMASKING, DecodeDefaults, EngineConfig, parse_prefix_cache_mode
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+# SGLang's backend names we map onto ours instead of refusing to start.
+_ATTENTION_ALIASES = {"torch_native": "torch", "sdpa": "torch"}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class ServerArgs:
+    """Everything the HTTP server and the engine it owns need. Field names follow SGLang."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "torch"
+    max_running_requests: int = 16
+    max_queued_requests: int | None = None
+    context_length: int | None = None
+    mem_fraction_static: float | None = None
+    disable_radix_cache: bool = False
+    served_model_name: str | None = None
+    api_key: str | None = None
+    random_seed: int | None = None
+    log_level: str = "info"
+    chat_template: str | None = None
+    incremental_streaming_output: bool = False
+    skip_server_warmup: bool = False
+    enable_metrics: bool = True  # /metrics is always served; the flag is accepted for SGLang parity
+    num_threads: int | None = None
+    # prefix cache (bicache)
+    prefix_cache: str = "bicache"
+    bicache_profile: str | None = None
+    max_prefix_cache_tokens: int | None = None
+    # diffusion decoding defaults (a request's sampling_params override them)
+    block_length: int = 32
+    steps_per_block: int | None = None
+    steps: int | None = None  # total denoising steps per request (default for sampling_params.steps)
+    threshold: float | None = 0.9
+    remasking: str = "low_confidence"
+    cache_mode: str = "dual"
+    refresh_interval: int = 0
+    # informational: the flags we did not understand
+    ignored_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def effective_prefix_cache(self) -> str:
+        return "off" if self.disable_radix_cache else self.prefix_cache
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig these flags describe. Raises ValueError on inconsistent values."""
+        decode = DecodeDefaults(
+            block_length=self.block_length,
+            steps_per_block=self.steps_per_block,
+            threshold=self.threshold,
+            remasking=self.remasking,
+            cache_mode=self.cache_mode,
+            refresh_interval=self.refresh_interval,
+        )
+        kw: dict[str, Any] = dict(
+            model_path=self.model_path,
+            tokenizer_path=self.tokenizer_path,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            max_running_requests=self.max_running_requests,
+            max_queued_requests=self.max_queued_requests,
+            context_length=self.context_length,
+            prefix_cache=self.effective_prefix_cache(),
+            max_prefix_cache_tokens=self.max_prefix_cache_tokens,
+            mem_fraction_static=self.mem_fraction_static,
+            bicache_profile=self.bicache_profile,
+            decode=decode,
+            chat_template=_resolved_template(self.chat_template),
+            num_threads=self.num_threads,
+        )
+        if self.random_seed is not None:
+            kw["random_seed"] = self.random_seed
+        return EngineConfig(**kw)
+
+    def default_sampling_params(self) -> dict[str, Any]:
+        """Server-wide defaults merged under each request's sampling_params (request wins)."""
+        out: dict[str, Any] = {}
+        if self.steps is not None:
+            out["steps"] = self.steps
+        return out
+
+    def public_dict(self) -> dict[str, Any]:
+        """The args as JSON for /get_server_info, with the API key never shown."""
+        d = dataclasses.asdict(self)
+        d["api_key"] = "<redacted>" if self.api_key else None
+        d["ignored_args"] = list(self.ignored_args)
+        d["prefix_cache"] = self.effective_prefix_cache()
+        return d
+
+
+def _resolved_template(spec: str | None) -> str | None:
+    from bicache_sgl.server.chat import load_chat_template
+
+    return load_chat_template(spec)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]i?)?\s*$")
+
+
+def parse_context_length(value: str) -> int:
+    """``4096``, ``32k`` (x1000), ``1Ki`` (x1024), ``1M``/``1Mi``."""
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid context length {value!r}")
+    num, unit = float(m.group(1)), (m.group(2) or "")
+    mult = {"": 1, "k": 1000, "K": 1000, "ki": 1024, "Ki": 1024, "kI": 1024, "KI": 1024,
+            "m": 1000**2, "M": 1000**2, "mi": 1024**2, "Mi": 1024**2}.get(unit)
+    if mult is None:
+        raise argparse.ArgumentTypeError(f"invalid context length {value!r}")
+    return int(num * mult)
+
+
+def _threshold(value: str) -> float | None:
+    if str(value).lower() in ("none", "off", "null"):
+        return None
+    try:
+        v = float(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"threshold must be a number in [0, 1] or 'none', got {value!r}") from e
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"threshold must be in [0, 1], got {value!r}")
+    return v
+
+
+def _prefix_cache(value: str) -> str:
+    try:
+        parse_prefix_cache_mode(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bicache-sgl-server",
+        description="SGLang-compatible HTTP server for diffusion language models (bicache prefix caching).",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", "--model", dest="model_path", default=None,
+                   help="Model folder (LLaDA/Dream checkpoint). Omit for the bundled default model.")
+    g.add_argument("--tokenizer-path", default=None, help="Tokenizer folder (default: the model path).")
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--attention-backend", default="torch",
+                   help="torch (SDPA, any device) | flashinfer (CUDA). Other SGLang names fall back to torch.")
+    g.add_argument("--context-length", type=parse_context_length, default=None,
+                   help="Maximum prompt + generation length (default: from the model config). Accepts 32k, 1Ki.")
+    g.add_argument("--served-model-name", default=None, help="Model name reported on /v1/models (default: model path).")
+    g.add_argument("--chat-template", default=None,
+                   help="Chat template for /v1/chat/completions: a Jinja file, a Jinja string, or a built-in name "
+                        "(chatml, llama-3, default). Default: the tokenizer's template, else a plain one.")
+    g.add_argument("--random-seed", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on every route except /health*, /ready and /metrics.")
+    g.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+    g.add_argument("--incremental-streaming-output", action="store_true",
+                   help="Stream deltas instead of SGLang's default cumulative text/output_ids.")
+    g.add_argument("--skip-server-warmup", action="store_true")
+    g.add_argument("--enable-metrics", action="store_true", help="Accepted for SGLang parity; /metrics is always on.")
+
+    g = p.add_argument_group("scheduling and memory")
+    g.add_argument("--max-running-requests", type=int, default=16,
+                   help="Requests decoded together in one batched forward.")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="Waiting requests beyond this are refused with 503 (default: unbounded).")
+    g.add_argument("--mem-fraction-static", type=float, default=None)
+    g.add_argument("--disable-radix-cache", action="store_true", help="Same as --prefix-cache off.")
+    g.add_argument("--prefix-cache", type=_prefix_cache, default="bicache",
+                   help="Shared-prefix KV cache: off | naive | bicache | fixed:N (N leading layers).")
+    g.add_argument("--bicache-profile", default=None, help="JSON file with the r -> depth profile for bicache.")
+    g.add_argument("--max-prefix-cache-tokens", type=int, default=None,
+                   help="Token budget of the shared prefix pool (LRU eviction beyond it).")
+
+    g = p.add_argument_group("diffusion decoding defaults (requests may override in sampling_params)")
+    g.add_argument("--block-length", type=int, default=32)
+    g.add_argument("--steps-per-block", type=int, default=None,
+                   help="Denoising steps per block (default: one per token, or fewer with --threshold).")
+    g.add_argument("--steps", type=int, default=None, help="Total denoising steps per request (alternative).")
+    g.add_argument("--threshold", type=_threshold, default=0.9,
+                   help="Confidence threshold for parallel unmasking (Fast-dLLM); 'none' = fixed schedule.")
+    g.add_argument("--remasking", default="low_confidence", choices=REMASKING)
+    g.add_argument("--cache-mode", default="dual", choices=CACHE_MODES,
+                   help="In-request KV cache: none | prefix | dual (Fast-dLLM).")
+    g.add_argument("--refresh-interval", type=int, default=0,
+                   help="Steps between in-request cache refreshes (0 = at block starts only).")
+
+    g = p.add_argument_group("SGLang compatibility (accepted; mapped where meaningful)")
+    g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--dllm-algorithm", default=None,
+                   help="SGLang dLLM algorithm name: LowConfidence maps to --remasking low_confidence.")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    """Parse flags; unknown ones are kept in ``ignored_args`` and warned about."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        logger.warning("ignoring unsupported SGLang flags: %s", " ".join(unknown))
+    backend = _ATTENTION_ALIASES.get(ns.attention_backend, ns.attention_backend)
+    if backend not in ATTENTION_BACKENDS:
+        logger.warning("attention backend %r is not available here; using 'torch'", ns.attention_backend)
+        backend = "torch"
+    if ns.tp_size != 1:
+        logger.warning("--tp-size %d is not supported; running on one device", ns.tp_size)
+    remasking = ns.remasking
+    if ns.dllm_algorithm:
+        if ns.dllm_algorithm.lower() in ("lowconfidence", "low_confidence"):
+            remasking = "low_confidence"
+        else:
+            logger.warning("--dllm-algorithm %s is not supported; using remasking=%s", ns.dllm_algorithm, remasking)
+    for name in ("max_running_requests", "block_length", "steps_per_block", "steps", "max_queued_requests",
+                 "max_prefix_cache_tokens", "num_threads", "context_length"):
+        v = getattr(ns, name)
+        lo = 0 if name in ("max_queued_requests", "max_prefix_cache_tokens") else 1
+        if v is not None and v < lo:
+            parser.error(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
+    args = ServerArgs(
+        model_path=ns.model_path,
+        tokenizer_path=ns.tokenizer_path,
+        host=ns.host,
+        port=ns.port,
+        dtype=ns.dtype,
+        device=ns.device,
+        attention_backend=backend,
+        max_running_requests=ns.max_running_requests,
+        max_queued_requests=ns.max_queued_requests,
+        context_length=ns.context_length,
+        mem_fraction_static=ns.mem_fraction_static,
+        disable_radix_cache=ns.disable_radix_cache,
+        served_model_name=ns.served_model_name,
+        api_key=ns.api_key,
+        random_seed=ns.random_seed,
+        log_level=ns.log_level,
+        chat_template=ns.chat_template,
+        incremental_streaming_output=ns.incremental_streaming_output,
+        skip_server_warmup=ns.skip_server_warmup,
+        num_threads=ns.num_threads,
+        prefix_cache=ns.prefix_cache,
+        bicache_profile=ns.bicache_profile,
+        max_prefix_cache_tokens=ns.max_prefix_cache_tokens,
+        block_length=ns.block_length,
+        steps_per_block=ns.steps_per_block,
+        steps=ns.steps,
+        threshold=ns.threshold,
+        remasking=remasking,
+        cache_mode=ns.cache_mode,
+        refresh_interval=ns.refresh_interval,
+        ignored_args=tuple(unknown),
+    )
+    try:
+        args.engine_config()
+    except ValueError as e:
+        parser.error(str(e))
+    return args

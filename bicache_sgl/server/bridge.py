@@ -1,0 +1,169 @@
+"""The one place where the asyncio HTTP layer meets the engine thread.
+
+``engine.submit(req, on_event)`` returns at once; ``on_event`` runs on the engine thread and
+only hands the event to the event loop (``loop.call_soon_threadsafe``), so neither side ever
+blocks the other. One :class:`Submission` (one asyncio.Queue) serves all engine requests of one
+HTTP request (a batch, ``n`` samples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from bicache_sgl.server.protocol import APIError, Item
+
+logger = logging.getLogger(__name__)
+
+
+def _is_queue_full(exc: BaseException) -> bool:
+    return type(exc).__name__ == "QueueFullError"
+
+
+def make_engine_request(item: Item):
+    from bicache_sgl.engine.request import GenerateRequest  # the engine package loads torch
+
+    return GenerateRequest(
+        input_ids=item.input_ids,
+        params=item.params,
+        rid=item.rid,
+        return_logprob=item.logprob.return_logprob,
+        logprob_start_len=item.logprob.logprob_start_len,
+        top_logprobs_num=item.logprob.top_logprobs_num,
+        return_text_in_logprobs=item.logprob.return_text_in_logprobs,
+    )
+
+
+class Submission:
+    """Engine requests submitted for one HTTP request; events arrive as (index, RequestEvent)."""
+
+    def __init__(self, engine: Any, items: Sequence[Item],
+                 on_finish: Callable[[int, Any, float], None] | None = None):
+        self.engine = engine
+        self.items = list(items)
+        self.rids: list[str | None] = [None] * len(self.items)
+        self.finished = [False] * len(self.items)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.start = time.perf_counter()
+        self.first_output: list[float | None] = [None] * len(self.items)
+        self._on_finish = on_finish
+        self._getter: asyncio.Future | None = None
+        self._cancelled = False
+        self.disconnected = False  # the client went away (everything was aborted)
+
+    # -- submit / abort -------------------------------------------------------------------
+    async def submit(self) -> None:
+        """Submit every item (on a worker thread: the engine may hold its lock for a forward).
+        Bad input -> APIError(400), full queue -> APIError(503); on any failure, or if the
+        HTTP request is cancelled meanwhile, the items already submitted are aborted."""
+        loop = asyncio.get_running_loop()
+        q = self.queue
+
+        def make_cb(i: int):
+            def on_event(ev: Any) -> None:  # engine thread: hand over, never block
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, (i, ev))
+                except RuntimeError:  # loop closed (server shutting down)
+                    pass
+            return on_event
+
+        reqs = []
+        for item in self.items:
+            if item.rid is None:
+                item.rid = uuid.uuid4().hex
+            reqs.append(make_engine_request(item))
+
+        def submit_all() -> None:
+            for i, req in enumerate(reqs):
+                if self._cancelled:
+                    return
+                rid = self.engine.submit(req, make_cb(i))
+                self.rids[i] = rid
+                if self._cancelled:  # the HTTP request went away while we were submitting
+                    self.finished[i] = True
+                    self.engine.abort(rid)
+
+        try:
+            await loop.run_in_executor(None, submit_all)
+        except asyncio.CancelledError:
+            self._cancelled = True
+            self.abort()
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a client answer below
+            self.abort()
+            if _is_queue_full(e):
+                raise APIError(f"the server is overloaded: {e}" if str(e) else "the request queue is full",
+                               status=503) from None
+            if isinstance(e, (ValueError, TypeError)):
+                raise APIError(str(e)) from None
+            raise
+
+    def abort(self) -> None:
+        """Abort every unfinished engine request (idempotent, never raises, never blocks the loop)."""
+        rids = []
+        for i, rid in enumerate(self.rids):
+            if rid is not None and not self.finished[i]:
+                rids.append(rid)
+                self.finished[i] = True
+        if self._getter is not None and not self._getter.done():
+            self._getter.cancel()
+        if not rids:
+            return
+
+        def do_abort() -> None:
+            for rid in rids:
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort(%s) failed", rid)
+
+        try:
+            asyncio.get_running_loop().run_in_executor(None, do_abort)
+        except RuntimeError:  # no loop (shutdown): abort inline
+            do_abort()
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    # -- events ---------------------------------------------------------------------------
+    async def events(self, is_disconnected: Callable[[], Any] | None = None,
+                     poll_s: float = 0.5) -> AsyncIterator[tuple[int, Any]]:
+        """Yield (index, event) until every item finished. While waiting, polls
+        ``is_disconnected`` and aborts everything when the client went away."""
+        try:
+            while not self.done:
+                if self._getter is None:
+                    self._getter = asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({self._getter}, timeout=poll_s)
+                if not done:
+                    if is_disconnected is not None and await is_disconnected():
+                        logger.info("client disconnected; aborting %s", [r for r in self.rids if r])
+                        self.disconnected = True
+                        self.abort()
+                        return
+                    continue
+                i, ev = self._getter.result()
+                self._getter = None
+                if self.finished[i]:
+                    continue
+                now = time.perf_counter()
+                if self.first_output[i] is None and (ev.output_ids or ev.finished):
+                    self.first_output[i] = now - self.start
+                if ev.finished:
+                    self.finished[i] = True
+                    if self._on_finish is not None:
+                        try:
+                            self._on_finish(i, ev, now - self.start)
+                        except Exception:  # noqa: BLE001
+                            logger.exception("metrics hook failed")
+                yield i, ev
+        finally:
+            # generator closed early (stream cancelled, client gone, error): free the engine side
+            if not self.done:
+                self.abort()
+            if self._getter is not None and not self._getter.done():
+                self._getter.cancel()

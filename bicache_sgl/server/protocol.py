@@ -1,0 +1,268 @@
+"""Parsing and validation of SGLang's native ``/generate`` request.
+
+Everything here is pure (no engine thread, no I/O): a request body becomes a list of
+:class:`Item` (one per engine request, ``n`` already expanded) or an :class:`APIError`
+carrying the 4xx status and message. ``null`` always means "default"; unknown keys are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import orjson
+
+from bicache_sgl.config import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered to the client as JSON with ``status`` (always 4xx/503 for bad input)."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str | None = None, code: Any = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type or _DEFAULT_TYPES.get(status, "BadRequestError")
+        self.code = code if code is not None else status
+        self.param = param
+
+
+_DEFAULT_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                  413: "RequestTooLargeError", 422: "UnprocessableEntityError", 503: "ServiceUnavailableError",
+                  500: "InternalServerError"}
+
+
+def parse_json_body(body: bytes, *, allow_empty: bool = False) -> Any:
+    """Bytes -> JSON value; invalid UTF-8 or JSON -> APIError(400)."""
+    if not body or not body.strip():
+        if allow_empty:
+            return None
+        raise APIError("request body is empty; expected a JSON object")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise APIError("request body is not valid UTF-8") from None
+        raise APIError(f"malformed JSON: {e}") from None
+
+
+def require_object(obj: Any) -> dict:
+    if not isinstance(obj, dict):
+        raise APIError("request body must be a JSON object")
+    return obj
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_token_ids(ids: Any, vocab_size: int | None, what: str = "input_ids") -> list[int]:
+    if not isinstance(ids, list):
+        raise APIError(f"{what} must be a list of integers")
+    if not ids:
+        raise APIError(f"{what} is empty")
+    for t in ids:
+        if not is_int(t):
+            raise APIError(f"{what} must contain only integers, got {t!r}")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise APIError(f"token id {t} in {what} is out of range [0, {vocab_size})")
+    return ids
+
+
+def check_text(t: Any, what: str = "text") -> str:
+    if not isinstance(t, str):
+        raise APIError(f"{what} must be a string or a list of strings, got {type(t).__name__}")
+    if t == "":
+        raise APIError(f"{what} is empty")
+    return t
+
+
+def sampling_params_from(d: Any, defaults: Mapping[str, Any] | None = None) -> tuple[SamplingParams, bool]:
+    """SGLang ``sampling_params`` dict -> (SamplingParams, max_new_tokens explicitly given).
+
+    ``defaults`` (the server's) fill keys the request leaves out or sets to null.
+    """
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise APIError("sampling_params must be a JSON object")
+    merged = dict(defaults or {})
+    merged.update({k: v for k, v in d.items() if v is not None})
+    explicit = any(merged.get(k) is not None for k in ("max_new_tokens", "max_tokens", "gen_length"))
+    for k in ("max_new_tokens", "max_tokens", "gen_length"):
+        v = merged.get(k)
+        if v is not None and is_int(v) and v < 0:
+            raise APIError(f"max_new_tokens must be >= 0, got {v}", param="max_new_tokens")
+    if "n" in merged and is_int(merged["n"]) and merged["n"] > 256:
+        raise APIError(f"n must be <= 256, got {merged['n']}", param="n")
+    try:
+        return SamplingParams.from_dict(merged), explicit
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e)) from None
+
+
+@dataclass
+class LogprobOptions:
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class Item:
+    """One engine request: the tokenized prompt, its params and where its answer goes."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    logprob: LogprobOptions
+    rid: str | None = None
+    prompt_index: int = 0  # which prompt of the batch
+    sample_index: int = 0  # which of the n samples
+    extra: dict = field(default_factory=dict)
+
+
+def _per_prompt(value: Any, n_prompts: int, name: str, batch: bool) -> list[Any]:
+    """A scalar applies to every prompt; a list (batch requests only) gives one value per prompt."""
+    if batch and isinstance(value, list):
+        if len(value) != n_prompts:
+            raise APIError(f"{name} has {len(value)} entries but the batch has {n_prompts} prompts")
+        return list(value)
+    return [value] * n_prompts
+
+
+def _logprob_options(return_logprob: Any, start: Any, top: Any, text_in: Any) -> tuple[bool, Any, int, bool]:
+    if return_logprob is None:
+        return_logprob = False
+    if not isinstance(return_logprob, bool):
+        raise APIError(f"return_logprob must be a boolean, got {return_logprob!r}", param="return_logprob")
+    if start is not None and not is_int(start):
+        raise APIError(f"logprob_start_len must be an integer, got {start!r}", param="logprob_start_len")
+    if top is None:
+        top = 0
+    if not is_int(top) or top < 0:
+        raise APIError(f"top_logprobs_num must be an integer >= 0, got {top!r}", param="top_logprobs_num")
+    if top > 100:
+        raise APIError(f"top_logprobs_num must be <= 100, got {top}", param="top_logprobs_num")
+    if text_in is None:
+        text_in = False
+    if not isinstance(text_in, bool):
+        raise APIError(f"return_text_in_logprobs must be a boolean, got {text_in!r}")
+    return return_logprob, start, top, text_in
+
+
+def resolve_logprob_start(start: int | None, return_logprob: bool, max_new_tokens: int, prompt_len: int) -> int:
+    """The engine's ``logprob_start_len`` for one prompt.
+
+    ``-1`` means no input logprobs. Left out (null) on a prefill-only likelihood request
+    (``max_new_tokens == 0`` with ``return_logprob``) means every position (0): SGLang's
+    ``unconditional_likelihood_normalized`` choice method sends exactly that and needs them.
+    """
+    if start is None:
+        return 0 if (return_logprob and max_new_tokens == 0) else -1
+    if start < -1:
+        raise APIError(f"logprob_start_len must be >= -1, got {start}", param="logprob_start_len")
+    if start > prompt_len:
+        raise APIError(f"logprob_start_len ({start}) is larger than the prompt ({prompt_len} tokens)",
+                       param="logprob_start_len")
+    return start
+
+
+def check_length(prompt_len: int, params: SamplingParams, explicit_max: bool, context_length: int | None,
+                 block_length: int | None = None) -> SamplingParams:
+    """Prompt + generation must fit the context. An implicit default is shortened to fit (to
+    whole blocks: the engine rounds the generation region up to a multiple of the block)."""
+    if context_length is None:
+        return params
+    if prompt_len > context_length:
+        raise APIError(f"the prompt ({prompt_len} tokens) is longer than the model's context length "
+                       f"({context_length} tokens)", param="prompt")
+    if prompt_len + params.max_new_tokens > context_length:
+        if not explicit_max:
+            room = context_length - prompt_len
+            block = params.block_length or block_length
+            if block:
+                room = room // block * block
+            return params.replace(max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
+        raise APIError(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                       f"model's context length ({context_length} tokens)", param="max_new_tokens")
+    return params
+
+
+@dataclass
+class GenerateInput:
+    items: list[Item]
+    batch: bool  # the answer is a JSON array (list prompt or n > 1)
+    stream: bool
+
+
+def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_length: int | None,
+                   default_sampling: Mapping[str, Any] | None = None, block_length: int | None = None,
+                   ) -> GenerateInput:
+    """Validate a ``/generate`` body and expand it into engine items (prompt-major, then sample)."""
+    obj = require_object(body)
+    text, input_ids = obj.get("text"), obj.get("input_ids")
+    if obj.get("input_embeds") is not None:
+        raise APIError("input_embeds is not supported")
+    if text is not None and input_ids is not None:
+        raise APIError("send either text or input_ids, not both")
+    if text is None and input_ids is None:
+        raise APIError("one of text or input_ids is required")
+    if text is not None:
+        batch = isinstance(text, list)
+        if batch:
+            if not text:
+                raise APIError("text is an empty list")
+            prompts = [check_text(t) for t in text]
+        else:
+            prompts = [check_text(text)]
+        id_lists = None
+    else:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise APIError("input_ids must be a non-empty list of integers or of lists of integers")
+        batch = isinstance(input_ids[0], list)
+        if batch:
+            id_lists = [check_token_ids(x, vocab_size) for x in input_ids]
+        else:
+            id_lists = [check_token_ids(input_ids, vocab_size)]
+        prompts = None
+    n_prompts = len(prompts if prompts is not None else id_lists)
+
+    stream = obj.get("stream") or False
+    if not isinstance(stream, bool):
+        raise APIError(f"stream must be a boolean, got {stream!r}")
+
+    sp_list = _per_prompt(obj.get("sampling_params"), n_prompts, "sampling_params", batch)
+    rl_list = _per_prompt(obj.get("return_logprob"), n_prompts, "return_logprob", batch)
+    ls_list = _per_prompt(obj.get("logprob_start_len"), n_prompts, "logprob_start_len", batch)
+    tl_list = _per_prompt(obj.get("top_logprobs_num"), n_prompts, "top_logprobs_num", batch)
+    tx_list = _per_prompt(obj.get("return_text_in_logprobs"), n_prompts, "return_text_in_logprobs", batch)
+    rid = obj.get("rid")
+    rid_list = _per_prompt(rid, n_prompts, "rid", batch)
+    for r in rid_list:
+        if r is not None and not isinstance(r, str):
+            raise APIError("rid must be a string (or a list of strings for a batch)")
+
+    items: list[Item] = []
+    any_n = False
+    for i in range(n_prompts):
+        params, explicit = sampling_params_from(sp_list[i], default_sampling)
+        ids = tokenize(prompts[i]) if prompts is not None else id_lists[i]
+        if not ids:
+            raise APIError("the prompt tokenizes to nothing")
+        params = check_length(len(ids), params, explicit, context_length, block_length)
+        rl, start, top, text_in = _logprob_options(rl_list[i], ls_list[i], tl_list[i], tx_list[i])
+        start = resolve_logprob_start(start, rl, params.max_new_tokens, len(ids))
+        lp = LogprobOptions(rl, start, top, text_in)
+        n = params.n
+        any_n = any_n or n > 1
+        base = params.replace(n=1) if n > 1 else params
+        for j in range(n):
+            r = rid_list[i]
+            if r is not None and n > 1:
+                r = f"{r}-{j}"
+            items.append(Item(input_ids=list(ids), params=base, logprob=lp, rid=r, prompt_index=i, sample_index=j))
+    return GenerateInput(items=items, batch=batch or any_n, stream=stream)

@@ -1,0 +1,244 @@
+"""Train the bundled masked-diffusion LM (LLaDA format) on the few-shot lookup task.
+
+    python -m bicache_sgl.training.train --out bicache_sgl/assets/default_model --seed 0 \\
+        --steps 6000 --minutes 75
+
+Objective (LLaDA SFT): each training sequence is ``prompt + " " + answer + EOS * pad``
+with a generation region of G positions (G uniform in [--min-gen, --max-gen]).
+Per sequence a ratio t ~ U(eps, 1) is drawn and every generation position is
+replaced by the mask token with probability t; the loss is the cross-entropy on the
+masked positions divided by t, normalised by G and averaged over the batch.
+Optionally (``--dup-queries``) the few-shot block repeats some examples and the
+value of a repeated example is masked too (an in-prefix lookup query; same loss).
+
+The number of few-shot examples follows a curriculum: during the first
+``--curriculum-steps`` steps it is drawn from [1, k] with k growing linearly from 2 to
+``--max-shots``; afterwards from [1, --max-shots].
+
+Data, initialisation and masking are all drawn from ``--seed``; with one thread the
+run is reproducible step for step.  ``--minutes`` caps the wall-clock time (the
+learning-rate schedule follows ``--steps``).  A checkpoint (config.json,
+model.safetensors, tokenizer files, train_info.json) is written to ``--out`` every
+``--save-every-min`` minutes and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import task
+from . import tokenizer as tk
+from .model import LLaDAConfig, LLaDAModelLM, num_params
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--minutes", type=float, default=75.0, help="wall-clock cap")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--n-layers", type=int, default=8)
+    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--mlp-hidden", type=int, default=0, help="0: 3 * d_model")
+    ap.add_argument("--weight-tying", action="store_true")
+    ap.add_argument("--max-shots", type=int, default=8)
+    ap.add_argument("--curriculum-steps", type=int, default=1500)
+    ap.add_argument("--min-gen", type=int, default=4)
+    ap.add_argument("--max-gen", type=int, default=32)
+    ap.add_argument("--long-gen-prob", type=float, default=0.3,
+                    help="probability that G is drawn from the full [min-gen, max-gen] range "
+                         "(otherwise from [min-gen, 2*min-gen+2])")
+    ap.add_argument("--mask-eps", type=float, default=0.05)
+    ap.add_argument("--dup-queries", type=int, default=0,
+                    help="max repeated examples per sequence whose value is masked (in-prefix queries)")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-questions", type=int, default=100)
+    ap.add_argument("--save-every-min", type=float, default=5.0)
+    ap.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1)
+    return ap.parse_args(argv)
+
+
+def max_shots_at(step: int, args) -> int:
+    if step >= args.curriculum_steps:
+        return args.max_shots
+    return min(args.max_shots, 2 + int((args.max_shots - 1) * step / max(1, args.curriculum_steps)))
+
+
+def make_sequence(rng: random.Random, num_shots: int, gen_len: int, dup_queries: int):
+    """Token ids, generation-region start, and positions of in-prefix value queries."""
+    fam = task.random_family(rng, num_shots, "train")
+    examples = [(k, v, False) for k, v in fam.pairs]
+    for _ in range(rng.randint(0, dup_queries) if dup_queries else 0):
+        k, v = fam.pairs[rng.randrange(num_shots)]
+        examples.insert(rng.randrange(len(examples) + 1), (k, v, True))
+    qk, qv = fam.pairs[rng.randrange(num_shots)]
+    ids, queries = [], []
+    for i, (k, v, is_dup) in enumerate(examples):
+        if i:
+            ids += tk.encode(task.EXAMPLE_SEP)
+        ids += tk.encode(task.format_example(k, v))
+        if is_dup:
+            queries.append(len(ids) - 1)  # the value character
+    ids += tk.encode((task.EXAMPLE_SEP if examples else "") + task.build_prompt("", qk))
+    start = len(ids)
+    tgt = tk.encode(task.target_text(qv))
+    ids += tgt + [tk.EOS_ID] * (gen_len - len(tgt))
+    return ids, start, queries
+
+
+def sample_gen_len(rng: random.Random, args) -> int:
+    """Generation-region length: mostly short (cheap), sometimes up to --max-gen."""
+    if rng.random() < args.long_gen_prob:
+        return rng.randint(args.min_gen, args.max_gen)
+    return rng.randint(args.min_gen, min(args.max_gen, 2 * args.min_gen + 2))
+
+
+def make_batch(rng: random.Random, gen: torch.Generator, step: int, args):
+    B = args.batch_size
+    seqs = []
+    hi = max_shots_at(step, args)
+    for _ in range(B):
+        m = rng.randint(1, hi)
+        g = sample_gen_len(rng, args)
+        seqs.append((make_sequence(rng, m, g, args.dup_queries), g))
+    n = max(len(s[0][0]) for s in seqs)
+    ids = torch.full((B, n), tk.EOS_ID, dtype=torch.long)
+    valid = torch.zeros((B, n), dtype=torch.bool)
+    region = torch.zeros((B, n), dtype=torch.bool)  # positions that may be masked
+    for b, ((seq, start, queries), g) in enumerate(seqs):
+        ids[b, :len(seq)] = torch.tensor(seq)
+        valid[b, :len(seq)] = True
+        region[b, start:start + g] = True
+        region[b, queries] = True
+    t = args.mask_eps + (1 - args.mask_eps) * torch.rand(B, 1, generator=gen)
+    masked = (torch.rand(B, n, generator=gen) < t) & region
+    # at least one masked position per sequence
+    none = ~masked.any(1)
+    if none.any():
+        for b in torch.nonzero(none).flatten().tolist():
+            cand = torch.nonzero(region[b]).flatten()
+            masked[b, cand[torch.randint(len(cand), (1,), generator=gen)]] = True
+    noisy = ids.masked_fill(masked, tk.MASK_ID)
+    weight = masked.float() / t / region.sum(1, keepdim=True).float()
+    attn_mask = valid[:, None, None, :]
+    return noisy, ids, weight, attn_mask
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    p = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def save(model, args, out, info):
+    model.save_pretrained(out, dtype=args.save_dtype)
+    tk.save_tokenizer(out)
+    tmp = os.path.join(out, "train_info.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(out, "train_info.json"))
+
+
+def quick_eval(model, args, step):
+    from .evaluate import score
+
+    res = {}
+    for shots in (5, args.max_shots):
+        items = task.heldout_items(args.eval_questions, shots, seed=1)
+        res[f"acc@{shots}shot"] = score(model, items, gen_length=8)["accuracy"]
+    items = task.heldout_items(args.eval_questions, 5, seed=1)
+    res["control_shuffle@5shot"] = score(model, task.control_items(items, "shuffle"), gen_length=8)["accuracy"]
+    model.train()
+    return res
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(f"bicache-train|{args.seed}")
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    cfg = LLaDAConfig(
+        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_heads,
+        mlp_hidden_size=args.mlp_hidden or 3 * args.d_model, max_sequence_length=1024,
+        vocab_size=tk.VOCAB_SIZE, embedding_size=tk.VOCAB_SIZE, mask_token_id=tk.MASK_ID,
+        eos_token_id=tk.EOS_ID, pad_token_id=tk.PAD_ID, weight_tying=args.weight_tying,
+        torch_dtype=args.save_dtype,
+    )
+    model = LLaDAModelLM(cfg)
+    model.init_weights(torch.Generator().manual_seed(args.seed))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    print(f"params: {num_params(model):,}  config: {json.dumps(cfg.to_hf_dict())}", flush=True)
+    print(f"args: {json.dumps(vars(args))}", flush=True)
+
+    t0 = time.time()
+    last_save = t0
+    info = {"args": vars(args), "command": " ".join(["python -m bicache_sgl.training.train"] + sys.argv[1:]),
+            "params": num_params(model), "evals": []}
+    ema = None
+    pbar = tqdm(total=args.steps, mininterval=1.0 if sys.stderr.isatty() else 30.0,
+                dynamic_ncols=True, file=sys.stderr)
+    step = 0
+    model.train()
+    while step < args.steps:
+        if time.time() - t0 > args.minutes * 60:
+            tqdm.write(f"time cap of {args.minutes} min reached at step {step}")
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        noisy, target, weight, attn_mask = make_batch(rng, gen, step, args)
+        logits = model(noisy, attn_mask)
+        ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target.view(-1), reduction="none")
+        loss = (ce.view(target.shape) * weight).sum() / target.shape[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        pbar.update(1)
+        pbar.set_postfix(loss=f"{ema:.4f}", shots=max_shots_at(step, args), lr=f"{lr_at(step, args):.2e}",
+                         refresh=False)
+        if step % args.eval_every == 0 or step == args.steps:
+            res = quick_eval(model, args, step)
+            elapsed = (time.time() - t0) / 60
+            rec = {"step": step, "minutes": round(elapsed, 2), "loss_ema": round(ema, 4), **res}
+            info["evals"].append(rec)
+            tqdm.write(json.dumps(rec))
+        if time.time() - last_save > args.save_every_min * 60:
+            info.update(step=step, minutes=round((time.time() - t0) / 60, 2), finished=False)
+            save(model, args, args.out, info)
+            last_save = time.time()
+            tqdm.write(f"checkpoint saved at step {step} -> {args.out}")
+    pbar.close()
+    info.update(step=step, minutes=round((time.time() - t0) / 60, 2), finished=True)
+    save(model, args, args.out, info)
+    print(f"done: step {step}, {info['minutes']} min, saved to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llada(tmp_path_factory) -> str:
+    from bicache_sgl.testing import make_tiny_llada
+    return make_tiny_llada(tmp_path_factory.mktemp("llada"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dream(tmp_path_factory) -> str:
+    from bicache_sgl.testing import make_tiny_dream
+    return make_tiny_dream(tmp_path_factory.mktemp("dream"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_sharded(tmp_path_factory) -> str:
+    from bicache_sgl.testing import make_tiny_llada
+    return make_tiny_llada(tmp_path_factory.mktemp("llada_sharded"), shards=3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dream_sharded(tmp_path_factory) -> str:
+    from bicache_sgl.testing import make_tiny_dream
+    return make_tiny_dream(tmp_path_factory.mktemp("dream_sharded"), shards=2, seed=2)
