@@ -157,6 +157,8 @@ class Engine:
             raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
         if greq.top_logprobs_num < 0:
             raise ValueError("top_logprobs_num must be >= 0")
+        if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= self.model_config.n_layers:
+            raise ValueError(f"bicache_depth must be in [0, {self.model_config.n_layers}]")
 
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
@@ -349,6 +351,8 @@ class Engine:
         cache.lock(m.handle)
         req.handle, req.match_values = m.handle, np.asarray(m.values, dtype=np.int64)
         kind, fixed = self.config.prefix_cache_kind
+        if req.greq.bicache_depth is not None:
+            kind, fixed = "fixed", req.greq.bicache_depth
         if req.kind == "generate":
             req.choice = choose_depth(kind, fixed, self.profile, mc.n_layers, m.segments, m.length, req.seq_len)
         else:

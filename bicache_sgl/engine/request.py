@@ -32,6 +32,9 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    # Force the bicache depth for this request (calibration and experiments); still capped by
+    # the depth the matched prefix holds. None: the engine's --prefix-cache policy decides.
+    bicache_depth: int | None = None
 
 
 @dataclass
