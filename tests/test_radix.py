@@ -1,0 +1,528 @@
+"""Unit tests for radix.RadixTree / radix.NullRadixTree (pure bookkeeping, no torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radix import InsertResult, MatchResult, NullRadixTree, PrefixCache, RadixTree
+
+
+def slots(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
+
+
+def freed_set(arrays: list[np.ndarray]) -> list[int]:
+    return sorted(np.concatenate(arrays).tolist()) if arrays else []
+
+
+def node_lens(tree: RadixTree) -> list[list[int]]:
+    """Token ids of every node, sorted (shape of the tree, independent of dict order)."""
+    return sorted(n.key.tolist() for n in tree._iter_nodes())
+
+
+@pytest.fixture
+def tree() -> RadixTree:
+    return RadixTree()
+
+
+# ---------------------------------------------------------------- match / split
+
+
+def test_empty_tree_match_is_root(tree: RadixTree) -> None:
+    m = tree.match_prefix([1, 2, 3])
+    assert m.length == 0
+    assert m.handle is tree._root
+    assert m.values.dtype == np.int64 and m.values.size == 0
+    assert m.segments == ()
+    assert m.depth_at(0) == 0
+
+
+def test_full_match_returns_inserted_slots(tree: RadixTree) -> None:
+    tree.insert([5, 6, 7], slots(10, 11, 12), depth=3)
+    m = tree.match_prefix([5, 6, 7, 8, 9])
+    assert m.length == 3
+    assert m.values.tolist() == [10, 11, 12]
+    assert m.segments == ((3, 3),)
+    tree.check_integrity()
+
+
+def test_split_on_partial_match(tree: RadixTree) -> None:
+    ins = tree.insert([1, 2, 3, 4], slots(10, 11, 12, 13), depth=2)
+    assert tree.num_nodes() == 1
+    m = tree.match_prefix([1, 2, 9])
+    assert m.length == 2
+    assert m.values.tolist() == [10, 11]
+    # The node was split so the handle ends exactly at the matched length.
+    assert tree.num_nodes() == 2
+    assert m.handle.key.tolist() == [1, 2]
+    assert node_lens(tree) == [[1, 2], [3, 4]]
+    # The old handle survives the split and still ends at length 4.
+    assert ins.handle.alive and ins.handle.key.tolist() == [3, 4]
+    assert ins.handle.parent is m.handle
+    assert tree.total_size() == 4
+    tree.check_integrity()
+
+
+def test_match_of_query_shorter_than_node_splits(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3, 4], slots(10, 11, 12, 13), depth=2)
+    m = tree.match_prefix([1, 2, 3])
+    assert m.length == 3 and m.handle.key.tolist() == [1, 2, 3]
+    assert node_lens(tree) == [[1, 2, 3], [4]]
+    tree.check_integrity()
+
+
+def test_no_match_at_first_token_gives_root(tree: RadixTree) -> None:
+    tree.insert([1, 2], slots(10, 11), depth=1)
+    m = tree.match_prefix([2, 1])
+    assert m.length == 0 and m.handle is tree._root
+    assert tree.num_nodes() == 1  # no spurious split
+
+
+def test_match_updates_lru_time(tree: RadixTree) -> None:
+    a = tree.insert([1, 2], slots(0, 1), depth=1).handle
+    b = tree.insert([3, 4], slots(2, 3), depth=1).handle
+    assert a.last_access < b.last_access
+    tree.match_prefix([1, 2])
+    assert a.last_access > b.last_access
+
+
+# ---------------------------------------------------------------- insert
+
+
+def test_insert_new_returns_everything_taken(tree: RadixTree) -> None:
+    r = tree.insert([1, 2, 3], slots(7, 8, 9), depth=4)
+    assert isinstance(r, InsertResult)
+    assert r.prefix_len == 0
+    assert r.taken.tolist() == [True, True, True]
+    assert r.to_free == []
+    assert tree.total_size() == 3 and tree.total_layer_tokens() == 12
+    tree.check_integrity()
+
+
+def test_insert_overlapping_keeps_existing_slots(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3], slots(10, 11, 12), depth=4)
+    r = tree.insert([1, 2, 3, 4, 5], slots(20, 21, 22, 23, 24), depth=4)
+    assert r.prefix_len == 3
+    assert r.taken.tolist() == [False, False, False, True, True]
+    assert freed_set(r.to_free) == [20, 21, 22]
+    m = tree.match_prefix([1, 2, 3, 4, 5])
+    assert m.values.tolist() == [10, 11, 12, 23, 24]
+    assert r.handle is m.handle
+    assert tree.total_size() == 5
+    tree.check_integrity()
+
+
+def test_insert_prefix_of_existing_splits_and_returns_handle(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3, 4], slots(10, 11, 12, 13), depth=2)
+    r = tree.insert([1, 2], slots(20, 21), depth=2)
+    assert r.prefix_len == 2
+    assert r.handle.key.tolist() == [1, 2]
+    assert freed_set(r.to_free) == [20, 21]
+    assert tree.total_size() == 4
+    tree.check_integrity()
+
+
+def test_insert_lower_depth_does_not_downgrade(tree: RadixTree) -> None:
+    tree.insert([1, 2], slots(10, 11), depth=6)
+    r = tree.insert([1, 2], slots(20, 21), depth=3)
+    assert not r.taken.any()
+    assert freed_set(r.to_free) == [20, 21]
+    assert tree.match_prefix([1, 2]).segments == ((2, 6),)
+
+
+def test_branching(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=2)
+    r = tree.insert([1, 2, 7, 8], slots(10, 11, 12, 13), depth=2)
+    assert r.prefix_len == 2
+    assert freed_set(r.to_free) == [10, 11]
+    assert node_lens(tree) == [[1, 2], [3, 4], [7, 8]]
+    assert tree.match_prefix([1, 2, 3, 4]).values.tolist() == [0, 1, 2, 3]
+    assert tree.match_prefix([1, 2, 7, 8]).values.tolist() == [0, 1, 12, 13]
+    assert tree.match_prefix([1, 2, 5]).length == 2
+    assert tree.total_size() == 6
+    tree.check_integrity()
+
+
+def test_insert_does_not_alias_caller_buffer(tree: RadixTree) -> None:
+    buf = slots(1, 2, 3)
+    tree.insert([4, 5, 6], buf, depth=1)
+    buf[:] = 99
+    assert tree.match_prefix([4, 5, 6]).values.tolist() == [1, 2, 3]
+
+
+def test_insert_validates_arguments(tree: RadixTree) -> None:
+    with pytest.raises(ValueError):
+        tree.insert([1, 2], slots(1), depth=1)
+    with pytest.raises(ValueError):
+        tree.insert([1, 2], slots(1, 2), depth=-1)
+    with pytest.raises(ValueError):
+        tree.insert([1, 2], np.array([1.0, 2.0]), depth=1)
+    assert tree.total_size() == 0
+
+
+def test_insert_empty_is_noop(tree: RadixTree) -> None:
+    r = tree.insert([], slots(), depth=3)
+    assert r.prefix_len == 0 and r.handle is tree._root and r.to_free == []
+    assert tree.total_size() == 0
+
+
+def test_insert_on_locked_path_works(tree: RadixTree) -> None:
+    h = tree.insert([1, 2, 3], slots(0, 1, 2), depth=2).handle
+    tree.lock(h)
+    r = tree.insert([1, 2, 3, 4, 5], slots(10, 11, 12, 13, 14), depth=2)
+    assert r.taken.tolist() == [False, False, False, True, True]
+    # The new tokens are not locked; the old ones stay locked.
+    assert tree.protected_size() == 3 and tree.evictable_size() == 2
+    assert freed_set(tree.evict(100)) == [13, 14]
+    tree.check_integrity()
+
+
+def test_insert_passing_tree_owned_slots_is_not_freed(tree: RadixTree) -> None:
+    """The engine may pass match.values + fresh slots: the tree's own slots must not be freed."""
+    tree.insert([1, 2, 3], slots(0, 1, 2), depth=2)
+    m = tree.match_prefix([1, 2, 3, 4])
+    r = tree.insert([1, 2, 3, 4], np.concatenate([m.values, slots(9)]), depth=2)
+    assert r.taken.tolist() == [True, True, True, True]
+    assert r.to_free == []
+    assert sorted(tree.all_values().tolist()) == [0, 1, 2, 9]
+    tree.check_integrity()
+
+
+# ---------------------------------------------------------------- depth
+
+
+def test_segments_and_depth_at(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3], slots(0, 1, 2), depth=8)
+    tree.insert([1, 2, 3, 4, 5], slots(10, 11, 12, 3, 4), depth=8)
+    h = tree.match_prefix([1, 2, 3, 4, 5]).handle
+    tree.trim_depth(h, 3)
+    tree.insert([1, 2, 3, 4, 5, 6, 7], slots(20, 21, 22, 23, 24, 5, 6), depth=2)
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+    assert isinstance(m, MatchResult)
+    assert m.length == 7
+    assert m.segments == ((3, 8), (5, 3), (7, 2))
+    assert m.values.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert [m.depth_at(p) for p in range(8)] == [0, 8, 8, 8, 3, 3, 2, 2]
+    with pytest.raises(ValueError):
+        m.depth_at(8)
+    with pytest.raises(ValueError):
+        m.depth_at(-1)
+
+
+def test_depth_at_takes_minimum_not_last() -> None:
+    m = MatchResult(length=6, handle=None, values=slots(0, 1, 2, 3, 4, 5),  # type: ignore[arg-type]
+                    segments=((2, 4), (4, 1), (6, 9)))
+    assert m.depth_at(2) == 4
+    assert m.depth_at(3) == 1
+    assert m.depth_at(6) == 1
+
+
+def test_depth_upgrade_returns_old_slots(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=2)
+    r = tree.insert([1, 2, 3, 4, 5], slots(10, 11, 12, 13, 14), depth=6)
+    assert r.prefix_len == 4
+    assert r.taken.all()
+    assert freed_set(r.to_free) == [0, 1, 2, 3]
+    m = tree.match_prefix([1, 2, 3, 4, 5])
+    assert m.values.tolist() == [10, 11, 12, 13, 14]
+    assert m.segments[-1] == (5, 6) and m.depth_at(5) == 6
+    assert tree.total_layer_tokens() == 5 * 6
+    tree.check_integrity()
+
+
+def test_depth_upgrade_partial_node_only_upgrades_overlap(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=2)
+    r = tree.insert([1, 2, 9], slots(10, 11, 12), depth=5)
+    assert freed_set(r.to_free) == [0, 1]
+    m = tree.match_prefix([1, 2, 3, 4])
+    assert m.values.tolist() == [10, 11, 2, 3]
+    assert m.segments == ((2, 5), (4, 2))
+    assert tree.total_layer_tokens() == 2 * 5 + 2 * 2 + 1 * 5
+    tree.check_integrity()
+
+
+def test_depth_upgrade_of_locked_node_allowed(tree: RadixTree) -> None:
+    h = tree.insert([1, 2], slots(0, 1), depth=1).handle
+    tree.lock(h)
+    r = tree.insert([1, 2], slots(5, 6), depth=4)
+    assert freed_set(r.to_free) == [0, 1]
+    assert r.handle is h and h.depth == 4
+    assert tree.protected_size() == 2
+    tree.unlock(h)
+    tree.check_integrity()
+
+
+def test_in_place_depth_upgrade_frees_nothing(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3], slots(0, 1, 2), depth=2)
+    r = tree.insert([1, 2, 3], slots(0, 1, 2), depth=5)
+    assert r.taken.all() and r.to_free == []
+    assert tree.match_prefix([1, 2, 3]).segments == ((3, 5),)
+
+
+def test_trim_depth(tree: RadixTree) -> None:
+    h = tree.insert([1, 2, 3], slots(0, 1, 2), depth=6).handle
+    tree.trim_depth(h, 2)
+    assert tree.total_layer_tokens() == 6
+    assert tree.match_prefix([1, 2, 3]).depth_at(3) == 2
+    tree.trim_depth(h, 0)
+    assert tree.total_layer_tokens() == 0
+    assert tree.total_size() == 3  # slots still held
+    with pytest.raises(ValueError):
+        tree.trim_depth(h, -1)
+    with pytest.raises(ValueError):
+        tree.trim_depth(h, 1)  # growing is insert's job
+    tree.check_integrity()
+
+
+def test_trim_locked_node_raises(tree: RadixTree) -> None:
+    h = tree.insert([1, 2, 3], slots(0, 1, 2), depth=6).handle
+    parent = tree.match_prefix([1]).handle
+    tree.lock(h)
+    with pytest.raises(RuntimeError):
+        tree.trim_depth(h, 2)
+    with pytest.raises(RuntimeError):  # locked through its descendant
+        tree.trim_depth(parent, 2)
+    assert tree.total_layer_tokens() == 18
+    tree.unlock(h)
+    tree.trim_depth(h, 2)
+    assert h.depth == 2
+
+
+# ---------------------------------------------------------------- locks
+
+
+def test_lock_protects_from_eviction(tree: RadixTree) -> None:
+    a = tree.insert([1, 2, 3], slots(0, 1, 2), depth=1).handle
+    tree.insert([7, 8], slots(3, 4), depth=1)
+    tree.lock(a)
+    assert tree.protected_size() == 3 and tree.evictable_size() == 2
+    assert freed_set(tree.evict(100)) == [3, 4]
+    assert tree.total_size() == 3
+    assert tree.match_prefix([1, 2, 3]).length == 3
+    tree.unlock(a)
+    assert tree.protected_size() == 0 and tree.evictable_size() == 3
+    assert freed_set(tree.evict(100)) == [0, 1, 2]
+    assert tree.total_size() == 0
+    tree.check_integrity()
+
+
+def test_lock_covers_ancestors_only(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=1)
+    h = tree.match_prefix([1, 2]).handle
+    tree.lock(h)
+    assert tree.protected_size() == 2 and tree.evictable_size() == 2
+    assert freed_set(tree.evict(100)) == [2, 3]  # the child below the lock goes
+    tree.check_integrity()
+
+
+def test_nested_locks(tree: RadixTree) -> None:
+    h = tree.insert([1, 2], slots(0, 1), depth=1).handle
+    tree.lock(h)
+    tree.lock(h)
+    tree.unlock(h)
+    assert tree.evict(10) == []
+    tree.unlock(h)
+    assert freed_set(tree.evict(10)) == [0, 1]
+
+
+def test_unlock_below_zero_raises(tree: RadixTree) -> None:
+    h = tree.insert([1, 2], slots(0, 1), depth=1).handle
+    with pytest.raises(RuntimeError):
+        tree.unlock(h)
+    tree.lock(h)
+    tree.unlock(h)
+    with pytest.raises(RuntimeError):
+        tree.unlock(h)
+    assert h.lock_ref == 0 and tree.evictable_size() == 2
+    tree.check_integrity()
+
+
+def test_split_of_locked_node_keeps_lock(tree: RadixTree) -> None:
+    h = tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=1).handle
+    tree.lock(h)
+    upper = tree.match_prefix([1, 2, 9]).handle
+    assert upper.lock_ref == 1
+    tree.unlock(h)
+    assert upper.lock_ref == 0 and tree.protected_size() == 0
+    tree.check_integrity()
+
+
+def test_root_lock_is_noop(tree: RadixTree) -> None:
+    root = tree.match_prefix([1]).handle
+    tree.lock(root)
+    tree.unlock(root)
+    tree.unlock(root)
+    assert tree.protected_size() == 0
+    tree.check_integrity()
+
+
+def test_dead_and_foreign_handles_rejected(tree: RadixTree) -> None:
+    h = tree.insert([1, 2], slots(0, 1), depth=1).handle
+    tree.evict(10)
+    with pytest.raises(ValueError):
+        tree.lock(h)
+    other = RadixTree().insert([1], slots(0), depth=1).handle
+    with pytest.raises(ValueError):
+        tree.lock(other)
+    with pytest.raises(ValueError):
+        tree.trim_depth(other, 0)
+
+
+# ---------------------------------------------------------------- eviction
+
+
+def test_eviction_lru_order(tree: RadixTree) -> None:
+    tree.insert([1], slots(1), depth=1)
+    tree.insert([2], slots(2), depth=1)
+    tree.insert([3], slots(3), depth=1)
+    tree.match_prefix([1])  # 1 is now the most recent; 2 the least
+    assert freed_set(tree.evict(1)) == [2]
+    assert freed_set(tree.evict(1)) == [3]
+    assert freed_set(tree.evict(1)) == [1]
+    assert tree.evict(1) == []
+
+
+def test_eviction_order_exact(tree: RadixTree) -> None:
+    for i in range(5):
+        tree.insert([i, 100 + i], slots(2 * i, 2 * i + 1), depth=1)
+    for i in (3, 0, 4):
+        tree.match_prefix([i, 100 + i])
+    freed = tree.evict(10)
+    order = [int(a[0]) // 2 for a in freed]
+    assert order == [1, 2, 3, 0, 4]
+
+
+def test_evict_stops_at_target(tree: RadixTree) -> None:
+    tree.insert([1, 1, 1], slots(0, 1, 2), depth=1)
+    tree.insert([2, 2, 2], slots(3, 4, 5), depth=1)
+    tree.insert([3, 3, 3], slots(6, 7, 8), depth=1)
+    freed = tree.evict(4)
+    assert freed_set(freed) == [0, 1, 2, 3, 4, 5]  # two leaves of 3 tokens, not three
+    assert tree.total_size() == 3
+    assert tree.evict(0) == []
+
+
+def test_parent_becomes_leaf_and_is_evicted(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3], slots(0, 1, 2), depth=1)
+    tree.insert([1, 2, 4], slots(8, 9, 3), depth=1)  # shares [1, 2]
+    tree.insert([5], slots(4), depth=1)
+    # Order of recency: [1,2,3] < [1,2,4] == [1,2] < [5]
+    freed = tree.evict(4)
+    assert [a.tolist() for a in freed] == [[2], [3], [0, 1]]
+    assert tree.total_size() == 1
+    tree.check_integrity()
+
+
+def test_freed_slots_are_exactly_what_was_inserted(tree: RadixTree) -> None:
+    rng = np.random.default_rng(0)
+    given: list[int] = []
+    returned: list[int] = []
+    next_slot = 0
+    for _ in range(50):
+        ids = rng.integers(0, 4, size=int(rng.integers(1, 8))).tolist()
+        vals = np.arange(next_slot, next_slot + len(ids), dtype=np.int64)
+        next_slot += len(ids)
+        given += vals.tolist()
+        r = tree.insert(ids, vals, depth=int(rng.integers(0, 5)))
+        returned += freed_set(r.to_free)
+        tree.check_integrity()
+    returned += freed_set(tree.evict(10**9))
+    assert tree.total_size() == 0
+    assert sorted(returned) == sorted(given)
+    tree.check_integrity()
+
+
+def test_heap_stays_bounded(tree: RadixTree) -> None:
+    tree.insert([1, 2], slots(0, 1), depth=1)
+    for _ in range(1000):
+        tree.match_prefix([1, 2])
+    assert len(tree._heap) <= 2 * tree.num_nodes() + 65
+    tree.check_integrity()
+    assert freed_set(tree.evict(1)) == [0, 1]
+
+
+# ---------------------------------------------------------------- sizes / reset / debug
+
+
+def test_sizes_and_all_values(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3], slots(0, 1, 2), depth=2)
+    h = tree.insert([1, 2, 4, 5], slots(7, 7, 3, 4), depth=2).handle
+    tree.lock(h)
+    assert tree.total_size() == 5
+    assert tree.protected_size() == 4  # [1, 2] + [4, 5]
+    assert tree.evictable_size() == 1
+    assert tree.total_layer_tokens() == 10
+    assert sorted(tree.all_values().tolist()) == [0, 1, 2, 3, 4]
+    assert tree.all_values().dtype == np.int64
+
+
+def test_reset(tree: RadixTree) -> None:
+    h = tree.insert([1, 2, 3], slots(0, 1, 2), depth=2).handle
+    tree.insert([4], slots(3), depth=2)
+    tree.lock(h)
+    with pytest.raises(RuntimeError):
+        tree.reset()
+    assert tree.total_size() == 4
+    tree.unlock(h)
+    assert freed_set(tree.reset()) == [0, 1, 2, 3]
+    assert tree.total_size() == tree.evictable_size() == tree.total_layer_tokens() == 0
+    assert tree.all_values().size == 0
+    assert not h.alive
+    with pytest.raises(ValueError):
+        tree.lock(h)
+    assert tree.match_prefix([1, 2, 3]).length == 0
+    tree.insert([1], slots(0), depth=1)  # usable again
+    tree.check_integrity()
+
+
+def test_check_integrity_detects_corruption(tree: RadixTree) -> None:
+    h = tree.insert([1, 2], slots(0, 1), depth=1).handle
+    tree.insert([3], slots(2), depth=1)
+    tree.check_integrity()
+    h.lock_ref = 1  # bypassing lock(): counters now disagree
+    with pytest.raises(AssertionError, match="evictable counter"):
+        tree.check_integrity()
+    h.lock_ref = 0
+    h.value = slots(2, 5)  # slot 2 now held twice
+    with pytest.raises(AssertionError, match="unique slots"):
+        tree.check_integrity()
+    h.value = slots(0, 1)
+    tree._heap.clear()  # an evictable leaf would never be evicted
+    with pytest.raises(AssertionError, match="eviction heap"):
+        tree.check_integrity()
+
+
+def test_pretty_lists_nodes(tree: RadixTree) -> None:
+    tree.insert([1, 2, 3], slots(0, 1, 2), depth=2)
+    tree.match_prefix([1, 9])
+    out = tree.pretty()
+    assert "ids=[1]" in out and "ids=[2, 3]" in out and "depth=2" in out
+
+
+# ---------------------------------------------------------------- NullRadixTree
+
+
+def test_null_tree() -> None:
+    t = NullRadixTree()
+    assert isinstance(t, PrefixCache) and isinstance(RadixTree(), PrefixCache)
+    r = t.insert([1, 2, 3], slots(4, 5, 6), depth=3)
+    assert r.prefix_len == 0
+    assert not r.taken.any() and len(r.taken) == 3
+    assert freed_set(r.to_free) == [4, 5, 6]
+    m = t.match_prefix([1, 2, 3])
+    assert m.length == 0 and m.values.size == 0 and m.segments == () and m.depth_at(0) == 0
+    t.lock(m.handle)
+    t.unlock(m.handle)
+    t.trim_depth(m.handle, 0)
+    assert t.evict(100) == []
+    assert t.reset() == []
+    assert (t.evictable_size(), t.protected_size(), t.total_size(),
+            t.total_layer_tokens()) == (0, 0, 0, 0)
+    assert t.all_values().size == 0
+    t.check_integrity()
+    assert "Null" in t.pretty()
+    with pytest.raises(ValueError):
+        t.insert([1, 2], slots(1), depth=1)
+    with pytest.raises(ValueError):
+        t.lock(RadixTree().insert([1], slots(0), depth=1).handle)
