@@ -164,7 +164,13 @@ def load_tokenizer(path: str, chat_template: str | None = None):
         raise CheckpointError(f"no tokenizer found in {path} (expected tokenizer.json or tokenizer_config.json); "
                               "pass --tokenizer-path")
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        from transformers.utils import logging as hf_logging
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # AutoTokenizer reads config.json and warns about model_type 'llada'
+        try:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     except Exception as e:
         if (p / "tokenizer.json").exists():
             log.warning("AutoTokenizer failed for %s (%s); using tokenizer.json directly", path, e)
