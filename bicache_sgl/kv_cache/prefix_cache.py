@@ -87,14 +87,12 @@ class PrefixCache:
         """Insert ``ids`` whose first len(matched_values) tokens were matched (and are held by the
         tree) and whose remaining tokens were captured into ``new_slots`` at the pool's depth."""
         values = np.concatenate([np.asarray(matched_values, dtype=np.int64), new_slots])
+        # The tree treats slots it already holds (the matched range) as taken, so to_free holds
+        # only duplicates of ours and slots replaced by a depth upgrade.
         res = self.tree.insert(ids, values, self.depth)
         self.in_flight -= len(new_slots)
-        held = set(np.asarray(matched_values).tolist())
         for arr in res.to_free:
-            # The matched range is passed back as-is; never free slots the tree still holds.
-            arr = np.asarray([s for s in np.asarray(arr).tolist() if s not in held], dtype=np.int64)
-            if len(arr):
-                self.pool.allocator.free(arr)
+            self.pool.allocator.free(arr)
 
     def flush(self) -> int:
         """Evict everything not locked by a running request. Returns tokens freed."""
