@@ -37,7 +37,12 @@ def serve(args: ServerArgs, engine: Any | None = None) -> None:
     shown = {k: v for k, v in args.public_dict().items() if v not in (None, False, (), [])}
     logger.info("server args: %s", shown)
     if engine is None:
-        engine = build_engine(args)
+        try:
+            engine = build_engine(args)
+        except Exception as e:  # noqa: BLE001 - a clear line instead of a traceback for config errors
+            logger.debug("engine construction failed", exc_info=True)
+            logger.error("could not start the engine: %s: %s", type(e).__name__, e)
+            raise SystemExit(1) from None
     logger.info("model loaded: %s", getattr(engine, "model_path", args.model_path))
     app = create_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -230,24 +230,24 @@ async def native_stream(state: ServerState, gi: GenerateInput, sub: Submission, 
                            **({"index": i} if gi.batch else {})})
                 continue
             item = gi.items[i]
-            meta = build_meta(state, item, ev, sub, i)
             text = stream_text(item, ev)
             ids = list(ev.output_ids or [])
             if incremental:
                 chunk_text = text[sent_text[i]:]
                 chunk_ids = ids[sent_ids[i]:]
+                if not ev.finished and not chunk_text and not chunk_ids:
+                    continue
+                meta = build_meta(state, item, ev, sub, i)
                 for k in LOGPROB_KEYS:
                     v = meta.get(k)
                     if isinstance(v, list):
                         start = sent_lp[i].get(k, 0)
                         meta[k] = v[start:]
                         sent_lp[i][k] = len(v)
-                if not ev.finished and not chunk_text and not chunk_ids:
-                    continue
                 sent_text[i], sent_ids[i] = len(text), len(ids)
                 chunk = {"text": chunk_text, "output_ids": chunk_ids, "meta_info": meta}
             else:
-                chunk = {"text": text, "output_ids": ids, "meta_info": meta}
+                chunk = {"text": text, "output_ids": ids, "meta_info": build_meta(state, item, ev, sub, i)}
             if gi.batch:
                 chunk["index"] = i
             yield sse(chunk)
@@ -256,6 +256,12 @@ async def native_stream(state: ServerState, gi: GenerateInput, sub: Submission, 
     except asyncio.CancelledError:
         sub.abort()
         raise
+    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+        logger.exception("streaming failed")
+        sub.abort()
+        yield sse({"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "InternalServerError",
+                             "code": 500}})
+        yield SSE_DONE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,19 +300,7 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     app = FastAPI(title="bicache-sgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if args.api_key and not path.startswith(OPEN_PATHS):
-            if not _authorized(request, args.api_key):
-                state.metrics.on_http(path if _known_route(app, path) else "other", 401)
-                return ORJSONResponse({"error": "Unauthorized"}, status_code=401)
-        try:
-            response = await call_next(request)
-        except APIError as e:  # raised past the route (should not happen, but never 500 for it)
-            response = error_response(path, e)
-        state.metrics.on_http(path if _known_route(app, path) else "other", response.status_code)
-        return response
+    app.add_middleware(AuthAndCount, state=state)
 
     @app.exception_handler(APIError)
     async def api_error_handler(request: Request, exc: APIError):
@@ -431,25 +425,66 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     return app
 
 
+class AuthAndCount:
+    """Pure ASGI middleware (no response buffering, streams untouched): the API key check and
+    per-route status counts for /metrics."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app = app
+        self.state = state
+        self._routes: set[str] | None = None
+
+    def _route_label(self, scope: dict) -> str:
+        if self._routes is None:
+            app = scope.get("app")
+            routes = getattr(getattr(app, "router", None), "routes", []) if app is not None else []
+            self._routes = {r.path for r in routes if "{" not in getattr(r, "path", "{")}
+        path = scope.get("path", "")
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model_id}"
+        return path if path in self._routes else "other"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        key = self.state.args.api_key
+        if key and not path.startswith(OPEN_PATHS) and not _authorized(scope, key):
+            body = b'{"error":"Unauthorized"}'
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            self.state.metrics.on_http(self._route_label(scope), 401)
+            return
+        status = [500]
+
+        async def send_and_note(message: dict) -> None:
+            if message.get("type") == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.state.metrics.on_http(self._route_label(scope), status[0])
+
+
 def require_dict(obj: Any) -> dict:
     if not isinstance(obj, dict):
         raise APIError("request body must be a JSON object")
     return obj
 
 
-def _authorized(request: Request, key: str) -> bool:
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
+def _authorized(scope: dict, key: str) -> bool:
+    headers = {k.lower(): v for k, v in scope.get("headers", [])}
+    auth = headers.get(b"authorization", b"")
+    if auth[:7].lower() == b"bearer ":
         given = auth[7:].strip()
     else:
-        given = request.headers.get("x-api-key", "")
-    return bool(given) and hmac.compare_digest(given.encode("utf-8", "replace"), key.encode("utf-8", "replace"))
-
-
-def _known_route(app: FastAPI, path: str) -> bool:
-    if path.startswith("/v1/models/"):
-        return False
-    return any(getattr(r, "path", None) == path for r in app.router.routes)
+        given = headers.get(b"x-api-key", b"").strip()
+    return bool(given) and hmac.compare_digest(given, key.encode("utf-8"))
 
 
 async def _probe(state: ServerState, timeout: float) -> bool:

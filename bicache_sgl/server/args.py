@@ -235,10 +235,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_SECRET_WORDS = ("key", "token", "secret", "password", "auth")
+
+
+def redact_unknown(unknown: Sequence[str]) -> list[str]:
+    """Unknown flags as they may be logged: the value of anything that looks like a secret
+    (``--api_key X``, ``--hf-token=X``) is replaced."""
+    out: list[str] = []
+    hide_next = False
+    for a in unknown:
+        if hide_next and not a.startswith("--"):
+            out.append("<redacted>")
+            hide_next = False
+            continue
+        hide_next = False
+        if a.startswith("-") and any(w in a.lower() for w in _SECRET_WORDS):
+            if "=" in a:
+                a = a.split("=", 1)[0] + "=<redacted>"
+            else:
+                hide_next = True
+        out.append(a)
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """Parse flags; unknown ones are kept in ``ignored_args`` and warned about."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    unknown = redact_unknown(unknown)
     if unknown:
         logger.warning("ignoring unsupported SGLang flags: %s", " ".join(unknown))
     backend = _ATTENTION_ALIASES.get(ns.attention_backend, ns.attention_backend)

@@ -26,7 +26,11 @@ def _is_queue_full(exc: BaseException) -> bool:
 def make_engine_request(item: Item):
     from bicache_sgl.engine.request import GenerateRequest  # the engine package loads torch
 
+    kw = {}
+    if item.extra.get("bicache_depth") is not None:
+        kw["bicache_depth"] = item.extra["bicache_depth"]
     return GenerateRequest(
+        **kw,
         input_ids=item.input_ids,
         params=item.params,
         rid=item.rid,
@@ -77,6 +81,17 @@ class Submission:
             reqs.append(make_engine_request(item))
 
         def submit_all() -> None:
+            many = getattr(self.engine, "submit_many", None)
+            if many is not None and len(reqs) > 1:
+                # atomic: a batch (select's choices, n samples) joins the same engine step
+                rids = many(reqs, [make_cb(i) for i in range(len(reqs))])
+                for i, rid in enumerate(rids):
+                    self.rids[i] = rid
+                if self._cancelled:
+                    for i, rid in enumerate(rids):
+                        self.finished[i] = True
+                        self.engine.abort(rid)
+                return
             for i, req in enumerate(reqs):
                 if self._cancelled:
                     return
@@ -132,19 +147,24 @@ class Submission:
     # -- events ---------------------------------------------------------------------------
     async def events(self, is_disconnected: Callable[[], Any] | None = None,
                      poll_s: float = 0.5) -> AsyncIterator[tuple[int, Any]]:
-        """Yield (index, event) until every item finished. While waiting, polls
-        ``is_disconnected`` and aborts everything when the client went away."""
+        """Yield (index, event) until every item finished. Every ``poll_s`` seconds (whether
+        events arrive or not) it asks ``is_disconnected`` and aborts everything when the client
+        went away."""
+        last_check = time.monotonic()
         try:
             while not self.done:
                 if self._getter is None:
                     self._getter = asyncio.ensure_future(self.queue.get())
                 done, _ = await asyncio.wait({self._getter}, timeout=poll_s)
-                if not done:
-                    if is_disconnected is not None and await is_disconnected():
+                now_m = time.monotonic()
+                if is_disconnected is not None and (not done or now_m - last_check >= poll_s):
+                    last_check = now_m
+                    if await is_disconnected():
                         logger.info("client disconnected; aborting %s", [r for r in self.rids if r])
                         self.disconnected = True
                         self.abort()
                         return
+                if not done:
                     continue
                 i, ev = self._getter.result()
                 self._getter = None

@@ -8,7 +8,7 @@ carrying the 4xx status and message. ``null`` always means "default"; unknown ke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import orjson
 
@@ -240,6 +240,10 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
     ls_list = _per_prompt(obj.get("logprob_start_len"), n_prompts, "logprob_start_len", batch)
     tl_list = _per_prompt(obj.get("top_logprobs_num"), n_prompts, "top_logprobs_num", batch)
     tx_list = _per_prompt(obj.get("return_text_in_logprobs"), n_prompts, "return_text_in_logprobs", batch)
+    depth_list = _per_prompt(obj.get("bicache_depth"), n_prompts, "bicache_depth", batch)
+    for d in depth_list:
+        if d is not None and (not is_int(d) or d < 0):
+            raise APIError(f"bicache_depth must be an integer >= 0, got {d!r}", param="bicache_depth")
     rid = obj.get("rid")
     rid_list = _per_prompt(rid, n_prompts, "rid", batch)
     for r in rid_list:
@@ -264,5 +268,7 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
             r = rid_list[i]
             if r is not None and n > 1:
                 r = f"{r}-{j}"
-            items.append(Item(input_ids=list(ids), params=base, logprob=lp, rid=r, prompt_index=i, sample_index=j))
+            extra = {"bicache_depth": depth_list[i]} if depth_list[i] is not None else {}
+            items.append(Item(input_ids=list(ids), params=base, logprob=lp, rid=r, prompt_index=i, sample_index=j,
+                              extra=extra))
     return GenerateInput(items=items, batch=batch or any_n, stream=stream)
