@@ -291,7 +291,7 @@ class AgreementMeter:
 
 
 # ---------------------------------------------------------------------------------- decisions
-def depth_from_similarity(sim: Sequence[float], threshold: float, rule: str = "leading") -> int:
+def depth_from_similarity(sim: Sequence[float], threshold: float, rule: str = "resume") -> int:
     """``leading``: number of leading layers with sim >= threshold. ``resume``: the largest d with
     layers 0..d all >= threshold (layer d's K/V of S come from the cached residual stream), L if
     every layer passes."""

@@ -63,7 +63,7 @@ def test_kv_cosine_on_prompts(tiny_llada, prompts_file, tmp_path, capsys):
         # layer-0 K/V of S depend only on S's tokens and positions: exactly equal in both contexts
         assert row_k[0] == 1.0 and row_v[0] == 1.0 and row[0] == 1.0
         assert len(row) == 4 and all(-1.0 <= x <= 1.0 for x in row)
-    # the chosen depths are what the similarity matrix says (leading layers >= threshold)
+    # the chosen depths are what the similarity matrix says (layers 0..b all >= threshold)
     for r, raw, row in zip(d["fractions"], d["depth_raw"], d["similarity"]):
         assert raw == cal.depth_from_similarity(row, 0.97)
         assert prof.lookup(r / 100) >= raw
