@@ -133,8 +133,8 @@ def test_help_and_argument_errors(capsys):
 
 def test_decision_rules_and_planning():
     sim = [1.0, 0.99, 0.98, 0.5, 0.99]
-    assert cal.depth_from_similarity(sim, 0.97) == 3
-    assert cal.depth_from_similarity(sim, 0.97, "resume") == 2
+    assert cal.depth_from_similarity(sim, 0.97, "leading") == 3
+    assert cal.depth_from_similarity(sim, 0.97) == 2  # resume is the default
     assert cal.depth_from_similarity([1.0, 0.99], 0.97, "resume") == 2  # every layer passes: depth L
     assert cal.depth_from_agreement([1.0, 0.8, 0.95, 0.3], 0.9) == 2  # the largest passing depth
     assert cal.token_agreement([1, 2, 3], [1, 2, 4]) == pytest.approx(2 / 3)
