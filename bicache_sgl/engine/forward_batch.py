@@ -30,8 +30,10 @@ class SeqKV:
     @classmethod
     def allocate(cls, n_layers: int, seq_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> "SeqKV":
+        # Uninitialised on purpose: a sequence's first forward writes every position of every
+        # layer (or copies it from the prefix pool) before any attention reads it.
         shape = (n_layers, seq_len, n_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
     @property
     def nbytes(self) -> int:
