@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+from .engine.scheduler import common_prefix_len
 
 log = logging.getLogger("bicache_sgl.calibrate")
 
@@ -130,14 +131,6 @@ def read_data(path: str | Path) -> list[Record]:
     return out
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def tokenize(records: Sequence[Record], encode, max_samples: int | None) -> list[Sample]:
     """Token ids per record. For a pair, |S| = the tokens that encode(prefix) and
     encode(prefix + suffix) share (a merge across the boundary is not part of the prefix)."""
@@ -154,7 +147,7 @@ def tokenize(records: Sequence[Record], encode, max_samples: int | None) -> list
             out.append(Sample(rec.line, "prompt", ids))
         else:
             full = list(encode(rec.prefix + rec.suffix))
-            p = _common_prefix_len(list(encode(rec.prefix)), full)
+            p = common_prefix_len(list(encode(rec.prefix)), full)
             if p < 1 or len(full) <= p:
                 log.warning("data line %d: prefix and suffix do not tokenize into a non-empty prefix plus "
                             "a non-empty rest; skipped", rec.line)
