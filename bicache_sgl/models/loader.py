@@ -152,6 +152,8 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     model = model.to_empty(device=dev).to(tdtype)
     model.load_state_dict(sd, strict=True, assign=False)
     model.eval()
+    model.requires_grad_(False)
+    model.fuse()
     return model, cfg
 
 

@@ -25,9 +25,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # normalise in fp32, cast back, then scale (the LLaDA / Qwen2 order of operations)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -43,10 +44,35 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(ff, d, bias=cfg.mlp_bias)
+        self._fused = False
+
+    def fuse(self) -> None:
+        """One GEMM for q/k/v and one for gate/up (fewer kernel launches per layer). The separate
+        projections' weights become views into the fused tensors, so memory does not grow."""
+        if self._fused:
+            return
+        for name, parts in (("qkv", (self.q_proj, self.k_proj, self.v_proj)), ("gate_up", (self.gate_proj, self.up_proj))):
+            w = torch.cat([p.weight.data for p in parts], dim=0)
+            b = torch.cat([p.bias.data for p in parts], dim=0) if parts[0].bias is not None else None
+            off = 0
+            for p in parts:
+                n = p.weight.shape[0]
+                p.weight = nn.Parameter(w[off:off + n], requires_grad=False)
+                if b is not None:
+                    p.bias = nn.Parameter(b[off:off + n], requires_grad=False)
+                off += n
+            setattr(self, f"_{name}_w", w)
+            setattr(self, f"_{name}_b", b)
+        self._fused = True
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, D] -> [n, (H + 2 Hkv) * Dh]."""
+        return F.linear(x, self._qkv_w, self._qkv_b)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         x = self.ffn_norm(h)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self._gate_up_w, self._gate_up_b).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,31 +112,45 @@ class DiffusionLM(nn.Module):
             self._rope = (emb.cos(), emb.sin())
         return self._rope
 
-    def apply_rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [n, H, Dh], pos [n] -> rotated x (computed in fp32, returned in x.dtype)."""
-        cos_t, sin_t = self.rope_tables(int(pos.max()) + 1 if pos.numel() else 1, x.device)
-        cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
-        xf = x.float()
-        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    def rope_for(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [n, 1, Dh] for positions ``pos`` (once per forward segment), such
+        that rope(x) = x * cos + roll(x, Dh/2) * sin_signed == x * cos + rotate_half(x) * sin."""
+        cos_t, sin_t = self.rope_tables(int(pos.max()) + 1 if pos.numel() else 1, pos.device)
+        half = self.cfg.head_dim // 2
+        sin = sin_t[pos]
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        return cos_t[pos].unsqueeze(1), sin.unsqueeze(1)
 
-    def _qkv(self, layer: DecoderLayer, h: torch.Tensor, pos: torch.Tensor):
+    def apply_rope(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [n, heads, Dh] -> rotated x (computed in fp32, returned in x.dtype)."""
+        cos, sin = rope
+        xf = x.float()
+        return (xf * cos + xf.roll(self.cfg.head_dim // 2, dims=-1) * sin).to(x.dtype)
+
+    def fuse(self) -> "DiffusionLM":
+        for layer in self.layers:
+            layer.fuse()
+        return self
+
+    def _qkv(self, layer: DecoderLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """q [n, H, Dh], k/v [n, Hkv, Dh]; RoPE on q and k in one pass over the fused output."""
         cfg = self.cfg
-        x = layer.attn_norm(h)
-        q = layer.q_proj(x).view(-1, cfg.n_heads, cfg.head_dim)
-        k = layer.k_proj(x).view(-1, cfg.n_kv_heads, cfg.head_dim)
-        v = layer.v_proj(x).view(-1, cfg.n_kv_heads, cfg.head_dim)
-        return self.apply_rope(q, pos), self.apply_rope(k, pos), v
+        H, Hkv = cfg.n_heads, cfg.n_kv_heads
+        qkv = layer.qkv(layer.attn_norm(h)).view(-1, H + 2 * Hkv, cfg.head_dim)
+        qk = self.apply_rope(qkv[:, :H + Hkv], rope)
+        return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
 
     # ---- dense forward ------------------------------------------------------------------------
     @torch.no_grad()
     def forward_dense(self, ids: torch.Tensor, return_states: bool = False):
         """ids [N] -> logits [N, V] (unshifted: row i is the output at position i).
         With return_states also returns per-layer (h_in [N, D], k [N, Hkv, Dh], v) lists."""
-        pos = torch.arange(ids.shape[0], device=ids.device)
+        self.fuse()
+        rope = self.rope_for(torch.arange(ids.shape[0], device=ids.device))
         h = self.embed(ids)
         states = []
         for layer in self.layers:
-            q, k, v = self._qkv(layer, h, pos)
+            q, k, v = self._qkv(layer, h, rope)
             if return_states:
                 states.append((h, k, v))
             a = sdpa_one(q, k, v).reshape(h.shape[0], -1)
@@ -131,7 +171,8 @@ class DiffusionLM(nn.Module):
         next_seg = next(seg_iter, None)
         rows_t = torch.from_numpy(seg.rows).to(fb.device)
         h = self.embed(fb.row_ids[rows_t])
-        pos = fb.row_pos[rows_t]
+        self.fuse()
+        rope = self.rope_for(fb.row_pos[rows_t])
         captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None and pool is not None]
         cap_rows = self._capture_rows(fb, captures)
         logit_rows_t = torch.from_numpy(fb.logit_rows).to(fb.device)
@@ -143,13 +184,13 @@ class DiffusionLM(nn.Module):
                 h, seg = new_h, next_seg
                 next_seg = next(seg_iter, None)
                 rows_t = torch.from_numpy(seg.rows).to(fb.device)
-                pos = fb.row_pos[rows_t]
+                rope = self.rope_for(fb.row_pos[rows_t])
                 cap_rows = self._capture_rows(fb, captures, seg)
             if li >= 1:
                 for (i, c), r in zip(captures, cap_rows):
                     if li <= c.depth:
                         pool.write_h(li, c.slots, h[r])
-            q, k, v = self._qkv(layer, h, pos)
+            q, k, v = self._qkv(layer, h, rope)
             keys, vals = [], []
             for i, s in enumerate(fb.seqs):
                 a, b = seg.q_indptr[i], seg.q_indptr[i + 1]
