@@ -8,9 +8,11 @@ thread-safe and the HTTP layer never blocks on a forward.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -95,6 +97,7 @@ class Engine:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._atexit_registered = False
         self._seed_counter = cfg.random_seed
         self.stats_forwards = 0
         self.stats_computed = 0
@@ -153,6 +156,9 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) plus generation region ({plan.gen_len} positions, "
                              f"max_new_tokens rounded up to whole blocks) exceeds the context length "
                              f"{self.context_length}")
+        bad = [t for t in greq.params.stop_token_ids if t >= V]  # would index past the logits
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
         if greq.return_logprob and greq.logprob_start_len >= len(ids):
             raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
         if greq.top_logprobs_num < 0:
@@ -203,6 +209,12 @@ class Engine:
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="bicache-engine", daemon=True)
             self._thread.start()
+            if not self._atexit_registered:
+                # A daemon thread still inside a torch op at interpreter exit aborts the process
+                # ("terminate called without an active exception"): stop the loop first.
+                ref = weakref.ref(self)
+                atexit.register(lambda: (lambda e: e is not None and e.shutdown(timeout=5.0))(ref()))
+                self._atexit_registered = True
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still in flight are answered with an abort."""
