@@ -75,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--control", default="none,remove,shuffle",
                     help="comma-separated subset of none,remove,shuffle")
+    ap.add_argument("--kind", default=task.DEFAULT_KIND, choices=list(task.KINDS))
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -86,7 +87,7 @@ def main(argv=None):
         folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "default_model")
     model = LLaDAModelLM.from_pretrained(folder)
     for shots in [int(s) for s in args.num_shots.split(",")]:
-        items = task.heldout_items(args.num_questions, shots, args.seed)
+        items = task.heldout_items(args.num_questions, shots, args.seed, kind=args.kind)
         for g in [int(s) for s in args.gen_length.split(",")]:
             for mode in args.control.split(","):
                 its = items if mode == "none" else task.control_items(items, mode, args.seed)

@@ -1,4 +1,4 @@
-"""Synthetic few-shot "key lookup" task for the bundled diffusion LM.
+"""Synthetic few-shot task for the bundled diffusion LM.
 
 Prompts have the shape of SGLang's few-shot GSM8K scripts::
 
@@ -6,18 +6,28 @@ Prompts have the shape of SGLang's few-shot GSM8K scripts::
     Answer: 7
 
     Question: D
-    Answer: 2
+    Answer: 7
 
     Question: K
     Answer:
 
-and the model generates `` 7`` followed by EOS.  Every *family* is its own random
-mapping from single-letter keys to single-digit values.  A family's few-shot
-prefix shows each of its keys once (in a fixed, family-specific order) and every
-question of the family asks for one of the keys shown in that prefix, so the
-answer is determined by the prefix and by nothing else: the same key maps to
-different digits in different families.  Without the prefix (or with the prefix
-of another family) the best a model can do is guess one of ten digits.
+and the model generates `` 7`` followed by EOS.  A *family* is a set of
+single-letter keys, each with a one-digit answer, shown as the few-shot block in a
+fixed, family-specific order; every question of the family asks for one of the keys
+shown in that block.  Two kinds of family:
+
+- ``"code"`` (the default, what the bundled model is trained on): all keys of a
+  family share one random digit, the family's secret code.  The answer is the code,
+  which appears only in the family's few-shot block: the question (a letter) carries
+  no information about it, and the same question has different answers in
+  different families.
+- ``"lookup"``: every key has its own random digit, so the model must find the
+  example whose key matches the question (in-context associative recall).  Much
+  harder for a small model: it did not learn within the CPU budget (see
+  docs/default_model.md).
+
+Without the few-shot block (or with the block of another family) the best a model
+can do is guess one of ten digits: chance is 10%.
 
 A family is identified by its mapping (the sorted key/value pairs).  A fixed
 hash of that identity puts about one family in ten into the held-out split;
@@ -38,6 +48,11 @@ from typing import Iterable, Sequence, Union
 KEY_CHARS = "BCDEFGHIJKLMNOPRSTUVWXYZ"
 VALUE_CHARS = "0123456789"
 MAX_SHOTS = 12
+# The family kind the bundled model was trained on (see docs/default_model.md):
+#   "code":   every example of a family answers with the family's secret digit;
+#   "lookup": every key of a family has its own digit (harder; did not learn in budget).
+DEFAULT_KIND = "code"
+KINDS = ("code", "lookup")
 HELDOUT_MOD = 10  # one family in HELDOUT_MOD is held out
 
 QUESTION_PREFIX = "Question: "
@@ -79,16 +94,27 @@ def is_heldout(pairs: Iterable[Pair]) -> bool:
     return int.from_bytes(digest[:8], "big") % HELDOUT_MOD == 0
 
 
-def random_family(rng: random.Random, num_shots: int, split: str = "train") -> Family:
-    """Sample a family with `num_shots` distinct keys from the given split."""
+def random_family(rng: random.Random, num_shots: int, split: str = "train",
+                  kind: str = DEFAULT_KIND) -> Family:
+    """Sample a family with `num_shots` distinct keys from the given split.
+
+    kind="lookup": every key gets its own random digit.  kind="code": every key of the
+    family gets the same random digit (the family's code).
+    """
     if not 1 <= num_shots <= MAX_SHOTS:
         raise ValueError(f"num_shots must be in [1, {MAX_SHOTS}], got {num_shots}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     want_heldout = split == "heldout"
     while True:
         keys = rng.sample(KEY_CHARS, num_shots)
-        pairs = tuple((k, rng.choice(VALUE_CHARS)) for k in keys)
+        if kind == "code":
+            code = rng.choice(VALUE_CHARS)
+            pairs = tuple((k, code) for k in keys)
+        else:
+            pairs = tuple((k, rng.choice(VALUE_CHARS)) for k in keys)
         if is_heldout(pairs) == want_heldout:
             return Family(pairs)
 
@@ -151,17 +177,19 @@ def family_items(family: Family, questions_per_family: int | None = None,
     ]
 
 
-def heldout_families(num_families: int, num_shots: int = 5, seed: int = 0) -> list:
+def heldout_families(num_families: int, num_shots: int = 5, seed: int = 0,
+                     kind: str = DEFAULT_KIND) -> list:
     """`num_families` distinct held-out families, deterministic in (num_shots, seed)."""
     rng = random.Random(f"bicache-heldout|{seed}|{num_shots}")
     seen, out = set(), []
     attempts = 0
     while len(out) < num_families:
-        fam = random_family(rng, num_shots, "heldout")
+        fam = random_family(rng, num_shots, "heldout", kind)
         attempts += 1
         if fam.canonical in seen:
             if attempts > 1000 * (num_families + 10):
-                raise ValueError("not enough distinct held-out families for this num_shots")
+                raise ValueError(f"only {len(out)} distinct held-out families exist with "
+                                 f"num_shots={num_shots}; ask for fewer questions")
             continue
         seen.add(fam.canonical)
         out.append(fam)
@@ -169,7 +197,7 @@ def heldout_families(num_families: int, num_shots: int = 5, seed: int = 0) -> li
 
 
 def heldout_items(num_questions: int = 200, num_shots: int = 5, seed: int = 0,
-                  questions_per_family: int | None = None) -> list:
+                  questions_per_family: int | None = None, kind: str = DEFAULT_KIND) -> list:
     """Held-out evaluation items, family by family (consecutive items share a prefix).
 
     Each item is a dict with ``prefix`` (the few-shot block), ``examples`` (its
@@ -183,7 +211,7 @@ def heldout_items(num_questions: int = 200, num_shots: int = 5, seed: int = 0,
     num_families = -(-num_questions // qpf)
     rng = random.Random(f"bicache-heldout-questions|{seed}|{num_shots}")
     items = []
-    for fam in heldout_families(num_families, num_shots, seed):
+    for fam in heldout_families(num_families, num_shots, seed, kind):
         items.extend(family_items(fam, qpf, rng))
     return items[:num_questions]
 
@@ -231,9 +259,9 @@ def chance_accuracy() -> float:
 # --------------------------------------------------------------------------- training
 
 
-def training_sample(rng: random.Random, num_shots: int) -> tuple:
+def training_sample(rng: random.Random, num_shots: int, kind: str = DEFAULT_KIND) -> tuple:
     """One training (prompt, answer) pair from a random training-split family."""
-    fam = random_family(rng, num_shots, "train")
+    fam = random_family(rng, num_shots, "train", kind)
     k, v = fam.pairs[rng.randrange(num_shots)]
     return build_prompt(fam.pairs, k), v
 

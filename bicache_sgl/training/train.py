@@ -1,23 +1,27 @@
-"""Train the bundled masked-diffusion LM (LLaDA format) on the few-shot lookup task.
+"""Train the bundled masked-diffusion LM (LLaDA format) on the few-shot task (task.py).
 
-    python -m bicache_sgl.training.train --out bicache_sgl/assets/default_model --seed 0 \\
-        --steps 6000 --minutes 75
+    python -m bicache_sgl.training.train --task code --out bicache_sgl/assets/default_model \\
+        --seed 0 --steps 1200 --minutes 600
 
 Objective (LLaDA SFT): each training sequence is ``prompt + " " + answer + EOS * pad``
-with a generation region of G positions (G uniform in [--min-gen, --max-gen]).
+with a generation region of G positions (G mostly short, see --long-gen-prob).
 Per sequence a ratio t ~ U(eps, 1) is drawn and every generation position is
 replaced by the mask token with probability t; the loss is the cross-entropy on the
 masked positions divided by t, normalised by G and averaged over the batch.
-Optionally (``--dup-queries``) the few-shot block repeats some examples and the
-value of a repeated example is masked too (an in-prefix lookup query; same loss).
+With ``--dup-queries N`` the few-shot block of a training sequence also repeats
+1..N of its examples with the value replaced by the mask token: in-prefix lookup
+queries (the value is shown in the other copy) that add an auxiliary CE term
+(weight ``--query-weight``, averaged over the queries of a sequence).  They give
+several lookup targets per sequence instead of one.
 
 The number of few-shot examples follows a curriculum: during the first
 ``--curriculum-steps`` steps it is drawn from [1, k] with k growing linearly from 2 to
 ``--max-shots``; afterwards from [1, --max-shots].
 
 Data, initialisation and masking are all drawn from ``--seed``; with one thread the
-run is reproducible step for step.  ``--minutes`` caps the wall-clock time (the
-learning-rate schedule follows ``--steps``).  A checkpoint (config.json,
+run is reproducible step for step as long as the ``--minutes`` wall-clock cap does
+not bind (the learning-rate schedule follows the step count, or the fraction of
+``--minutes`` used when that is further along, so a capped run still anneals).  A checkpoint (config.json,
 model.safetensors, tokenizer files, train_info.json) is written to ``--out`` every
 ``--save-every-min`` minutes and at the end.
 """
@@ -44,28 +48,32 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--task", default=task.DEFAULT_KIND, choices=list(task.KINDS),
+                    help="family kind (see bicache_sgl/training/task.py)")
+    ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--minutes", type=float, default=75.0, help="wall-clock cap")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--batch-size", type=int, default=48)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--n-layers", type=int, default=8)
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--mlp-hidden", type=int, default=0, help="0: 3 * d_model")
     ap.add_argument("--weight-tying", action="store_true")
-    ap.add_argument("--max-shots", type=int, default=8)
-    ap.add_argument("--curriculum-steps", type=int, default=1500)
+    ap.add_argument("--max-shots", type=int, default=6)
+    ap.add_argument("--curriculum-steps", type=int, default=1000)
     ap.add_argument("--min-gen", type=int, default=4)
     ap.add_argument("--max-gen", type=int, default=32)
     ap.add_argument("--long-gen-prob", type=float, default=0.3,
                     help="probability that G is drawn from the full [min-gen, max-gen] range "
                          "(otherwise from [min-gen, 2*min-gen+2])")
     ap.add_argument("--mask-eps", type=float, default=0.05)
-    ap.add_argument("--dup-queries", type=int, default=0,
-                    help="max repeated examples per sequence whose value is masked (in-prefix queries)")
+    ap.add_argument("--dup-queries", type=int, default=2,
+                    help="each training prefix repeats 1..N of its examples with the value masked "
+                         "(in-prefix lookup queries, an auxiliary loss); 0 disables")
+    ap.add_argument("--query-weight", type=float, default=1.0)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-questions", type=int, default=100)
     ap.add_argument("--save-every-min", type=float, default=5.0)
@@ -80,11 +88,12 @@ def max_shots_at(step: int, args) -> int:
     return min(args.max_shots, 2 + int((args.max_shots - 1) * step / max(1, args.curriculum_steps)))
 
 
-def make_sequence(rng: random.Random, num_shots: int, gen_len: int, dup_queries: int):
+def make_sequence(rng: random.Random, num_shots: int, gen_len: int, dup_queries: int,
+                  kind: str = task.DEFAULT_KIND):
     """Token ids, generation-region start, and positions of in-prefix value queries."""
-    fam = task.random_family(rng, num_shots, "train")
+    fam = task.random_family(rng, num_shots, "train", kind)
     examples = [(k, v, False) for k, v in fam.pairs]
-    for _ in range(rng.randint(0, dup_queries) if dup_queries else 0):
+    for _ in range(rng.randint(1, dup_queries) if dup_queries else 0):
         k, v = fam.pairs[rng.randrange(num_shots)]
         examples.insert(rng.randrange(len(examples) + 1), (k, v, True))
     qk, qv = fam.pairs[rng.randrange(num_shots)]
@@ -116,16 +125,17 @@ def make_batch(rng: random.Random, gen: torch.Generator, step: int, args):
     for _ in range(B):
         m = rng.randint(1, hi)
         g = sample_gen_len(rng, args)
-        seqs.append((make_sequence(rng, m, g, args.dup_queries), g))
+        seqs.append((make_sequence(rng, m, g, args.dup_queries, args.task), g))
     n = max(len(s[0][0]) for s in seqs)
     ids = torch.full((B, n), tk.EOS_ID, dtype=torch.long)
     valid = torch.zeros((B, n), dtype=torch.bool)
-    region = torch.zeros((B, n), dtype=torch.bool)  # positions that may be masked
+    region = torch.zeros((B, n), dtype=torch.bool)  # generation region (masked with prob t)
+    query = torch.zeros((B, n), dtype=torch.bool)  # in-prefix lookup queries (always masked)
     for b, ((seq, start, queries), g) in enumerate(seqs):
         ids[b, :len(seq)] = torch.tensor(seq)
         valid[b, :len(seq)] = True
         region[b, start:start + g] = True
-        region[b, queries] = True
+        query[b, queries] = True
     t = args.mask_eps + (1 - args.mask_eps) * torch.rand(B, 1, generator=gen)
     masked = (torch.rand(B, n, generator=gen) < t) & region
     # at least one masked position per sequence
@@ -134,16 +144,22 @@ def make_batch(rng: random.Random, gen: torch.Generator, step: int, args):
         for b in torch.nonzero(none).flatten().tolist():
             cand = torch.nonzero(region[b]).flatten()
             masked[b, cand[torch.randint(len(cand), (1,), generator=gen)]] = True
-    noisy = ids.masked_fill(masked, tk.MASK_ID)
+    noisy = ids.masked_fill(masked | query, tk.MASK_ID)
     weight = masked.float() / t / region.sum(1, keepdim=True).float()
+    if query.any():
+        weight = weight + args.query_weight * query.float() / query.sum(1, keepdim=True).clamp(min=1)
     attn_mask = valid[:, None, None, :]
     return noisy, ids, weight, attn_mask
 
 
-def lr_at(step: int, args) -> float:
+def lr_at(step: int, args, elapsed_s: float = 0.0) -> float:
+    """Warmup, then cosine decay to min_lr_ratio * lr.  Progress is the larger of the
+    step fraction and the wall-clock fraction of --minutes, so a run cut short by the
+    time cap still ends annealed (without the cap binding, the schedule is by step)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     p = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    p = max(p, min(1.0, elapsed_s / (args.minutes * 60)))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
@@ -162,9 +178,9 @@ def quick_eval(model, args, step):
 
     res = {}
     for shots in (5, args.max_shots):
-        items = task.heldout_items(args.eval_questions, shots, seed=1)
+        items = task.heldout_items(args.eval_questions, shots, seed=1, kind=args.task)
         res[f"acc@{shots}shot"] = score(model, items, gen_length=8)["accuracy"]
-    items = task.heldout_items(args.eval_questions, 5, seed=1)
+    items = task.heldout_items(args.eval_questions, 5, seed=1, kind=args.task)
     res["control_shuffle@5shot"] = score(model, task.control_items(items, "shuffle"), gen_length=8)["accuracy"]
     model.train()
     return res
@@ -200,7 +216,7 @@ def main(argv=None):
     info = {"args": vars(args), "command": " ".join(["python -m bicache_sgl.training.train"] + sys.argv[1:]),
             "params": num_params(model), "evals": []}
     ema = None
-    pbar = tqdm(total=args.steps, mininterval=1.0 if sys.stderr.isatty() else 30.0,
+    pbar = tqdm(total=args.steps, mininterval=1.0 if sys.stderr.isatty() else 30.0, miniters=1,
                 dynamic_ncols=True, file=sys.stderr)
     step = 0
     model.train()
@@ -209,7 +225,7 @@ def main(argv=None):
             tqdm.write(f"time cap of {args.minutes} min reached at step {step}")
             break
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
+            g["lr"] = lr = lr_at(step, args, time.time() - t0)
         noisy, target, weight, attn_mask = make_batch(rng, gen, step, args)
         logits = model(noisy, attn_mask)
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target.view(-1), reduction="none")
@@ -221,7 +237,7 @@ def main(argv=None):
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         pbar.update(1)
-        pbar.set_postfix(loss=f"{ema:.4f}", shots=max_shots_at(step, args), lr=f"{lr_at(step, args):.2e}",
+        pbar.set_postfix(loss=f"{ema:.4f}", shots=max_shots_at(step, args), lr=f"{lr:.2e}",
                          refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
             res = quick_eval(model, args, step)
