@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import Engine
     from .models.config import CheckpointError
 
-    prompts = args.prompt or ["Question: What is the capital of France?\nAnswer:"]
+    prompts = args.prompt or ["Question: K\nAnswer: 5\n\nQuestion: D\nAnswer: 5\n\nQuestion: K\nAnswer:"]
     prompts = [sys.stdin.read() if p == "-" else p.encode().decode("unicode_escape") for p in prompts]
     try:
         eng = Engine(args.model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
