@@ -48,7 +48,31 @@ def serve(args: ServerArgs, engine: Any | None = None) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, log_config=None)
-    uvicorn.Server(config).run()
+    draining_server(config, app.state.server, args.graceful_shutdown_timeout).run()
+
+
+def draining_server(config: Any, state: Any, grace: float) -> Any:
+    """uvicorn's Server with a drain step at the start of its shutdown (SIGTERM/SIGINT): stop
+    accepting connections, give running requests ``grace`` seconds, abort the rest so each still
+    gets an answer (``ServerState.drain``); only then does uvicorn close the connections.
+    Without it, uvicorn cuts the streams still open after its own timeout and answers the other
+    requests with a bare plain-text 500."""
+    import asyncio
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            for server in getattr(self, "servers", []):
+                server.close()  # stop accepting new connections first
+            drain = asyncio.ensure_future(state.drain(grace))
+            while not drain.done() and not self.force_exit:  # a second Ctrl+C skips the wait
+                await asyncio.wait({drain}, timeout=0.1)
+            if not drain.done():
+                drain.cancel()
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

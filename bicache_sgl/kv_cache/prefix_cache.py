@@ -109,6 +109,7 @@ class PrefixCache:
             "prefix_cache_evictable_tokens": self.tree.evictable_size(),
             "prefix_cache_protected_tokens": self.tree.protected_size(),
             "prefix_cache_free_tokens": self.pool.allocator.num_free if self.pool is not None else 0,
+            "prefix_cache_in_flight_tokens": self.in_flight,  # free + used + in flight == capacity
             "prefix_cache_depth": self.depth,
             "prefix_cache_bytes_per_token": self.pool.bytes_per_token if self.pool is not None else 0,
             "prefix_cache_bytes": self.pool.nbytes if self.pool is not None else 0,

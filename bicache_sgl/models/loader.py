@@ -58,9 +58,11 @@ def read_config(path: str) -> dict[str, Any]:
     if not f.exists():
         raise CheckpointError(f"{path} has no config.json")
     try:
-        cfg = json.loads(f.read_text())
+        cfg = json.loads(f.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {f}: {e}") from e
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{f} must hold a JSON object")
     return cfg
@@ -75,14 +77,7 @@ def _weight_files(path: str) -> dict[str, str]:
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a weight_map): {e}") from e
-        missing = sorted({f for f in wm.values() if not (p / f).exists()})
-        if missing:
-            raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
-        return {k: str(p / f) for k, f in wm.items()}
+        return _read_index(p, index)
     single = p / "model.safetensors"
     files = [single] if single.exists() else sorted(p.glob("*.safetensors"))
     if not files:
@@ -97,6 +92,31 @@ def _weight_files(path: str) -> dict[str, str]:
         except Exception as e:
             raise CheckpointError(f"cannot read {f}: not a valid safetensors file ({e})") from e
     return out
+
+
+def _read_index(folder: Path, index: Path) -> dict[str, str]:
+    """A sharded checkpoint's index: {"weight_map": {tensor name: shard file in this folder}}."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{index} is not a valid safetensors index: it needs a \"weight_map\" object "
+                              "(tensor name -> shard file)")
+    shards: dict[str, Path] = {}
+    for name, f in wm.items():
+        if not isinstance(f, str) or not f:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] must be a shard file name, got {f!r}")
+        if f not in shards:
+            # judged by the name, not by resolving: hub snapshots link their shards to blobs elsewhere
+            if os.path.isabs(f) or os.path.normpath(f).split(os.sep)[0] in ("..", "."):
+                raise CheckpointError(f"{index}: shard {f!r} is outside the checkpoint folder")
+            shards[f] = folder / f
+    missing = sorted(f for f, t in shards.items() if not t.is_file())
+    if missing:
+        raise CheckpointError(f"{index} names shard(s) that do not exist (or are not files): {', '.join(missing)}")
+    return {k: str(folder / f) for k, f in wm.items()}
 
 
 def load_state_dict(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -114,13 +134,19 @@ def load_state_dict(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str
     for f, items in by_file.items():
         try:
             with safe_open(f, framework="pt") as sf:
+                present = set(sf.keys())
                 for ours, ck, shape in items:
+                    if ck not in present:
+                        raise CheckpointError(f"the index maps tensor {ck} to {Path(f).name}, "
+                                              "which does not contain it")
                     t = sf.get_tensor(ck)
                     if tuple(t.shape) != shape:
                         raise CheckpointError(f"tensor {ck} in {Path(f).name} has shape {tuple(t.shape)}, "
                                               f"expected {shape} from config.json")
                     if t.dtype not in _FLOAT_DTYPES:
-                        raise CheckpointError(f"tensor {ck} in {Path(f).name} has dtype {t.dtype}; expected a float dtype")
+                        dt = str(t.dtype).replace("torch.", "")
+                        raise CheckpointError(f"tensor {ck} in {Path(f).name} has dtype {dt}; "
+                                              "expected a float dtype (float32, bfloat16, float16)")
                     sd[ours] = t.to(dtype)
         except CheckpointError:
             raise
@@ -174,14 +200,18 @@ def load_tokenizer(path: str, chat_template: str | None = None):
         finally:
             hf_logging.set_verbosity(verbosity)
     except Exception as e:
-        if (p / "tokenizer.json").exists():
-            log.warning("AutoTokenizer failed for %s (%s); using tokenizer.json directly", path, e)
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"))
-        else:
+        if not (p / "tokenizer.json").exists():
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+        log.warning("AutoTokenizer failed for %s (%s); using tokenizer.json directly", path, e)
+        try:
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"))
+        except Exception as e2:  # tokenizers raises plain Exception on a corrupt file
+            raise CheckpointError(f"cannot load the tokenizer in {path}: AutoTokenizer failed ({e}); "
+                                  f"{p / 'tokenizer.json'} is not a valid tokenizer file ({e2})") from e2
     if chat_template:
-        tpl = Path(chat_template)
-        tok.chat_template = tpl.read_text() if tpl.exists() else chat_template
+        # a file, or the template itself (os.path.isfile, unlike Path.exists, is False rather than
+        # an error for a long Jinja string that is no valid path)
+        tok.chat_template = Path(chat_template).read_text() if os.path.isfile(chat_template) else chat_template
     elif not getattr(tok, "chat_template", None) and (p / "chat_template.jinja").exists():
         tok.chat_template = (p / "chat_template.jinja").read_text()
     return tok

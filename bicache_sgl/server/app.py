@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import signal
 import threading
@@ -85,6 +86,7 @@ class ServerState:
         self.default_sampling = args.default_sampling_params()
         self.metrics = Metrics(self.served_model_name)
         self.ready = False
+        self.draining = False  # shutting down: new requests get 503, running ones finish or are aborted
         self.created = int(time.time())
         self.last_probe_ok = 0.0
 
@@ -143,6 +145,45 @@ class ServerState:
         }
         state.update(await self.engine_stats())
         return state
+
+    async def engine_busy(self) -> int:
+        """Requests the engine is running or has queued."""
+        st = await self.engine_stats()
+        return int(st.get("num_running_reqs", 0) or 0) + int(st.get("num_waiting_reqs", 0) or 0)
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown (SIGTERM/SIGINT), called before uvicorn closes the connections: new
+        requests get 503 from now on; running and queued requests get ``timeout`` seconds to
+        finish; whatever is still in the engine then is aborted ("server shutting down"), so
+        every client still gets an answer (a 503 error, or a stream that ends with an abort
+        finish_reason and [DONE]) instead of a cut connection."""
+        self.draining = True
+        self.ready = False
+        deadline = time.monotonic() + timeout
+        busy = await self.engine_busy()
+        while busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            busy = await self.engine_busy()
+        if busy:
+            logger.warning("shutting down: aborting %d request(s) still running after %.1f s", busy, timeout)
+        else:
+            logger.info("shutting down: no request in flight")
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            try:
+                await asyncio.to_thread(shutdown)  # fails what is left, each with an event
+            except Exception:  # noqa: BLE001
+                logger.exception("engine shutdown failed")
+
+    def check_not_aborted_by_shutdown(self, finals: list[Any]) -> None:
+        """Non-streaming answers for requests the shutdown aborted are a 503, not a 200."""
+        if not self.draining:
+            return
+        for f in finals:
+            fr = getattr(f, "finish_reason", None)
+            if isinstance(fr, dict) and fr.get("type") == "abort":
+                raise APIError("the server is shutting down; the request was aborted before it finished",
+                               status=503)
 
     def model_info(self) -> dict[str, Any]:
         mc = self.model_config
@@ -362,9 +403,12 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
         raw = request.query_params.get("timeout")
         if raw is not None:
             try:
-                timeout = max(0.0, float(raw))
+                timeout = float(raw)
             except ValueError:
                 raise APIError(f"timeout must be a number, got {raw!r}") from None
+            if not math.isfinite(timeout) or timeout < 0:
+                raise APIError(f"timeout must be a finite number of seconds >= 0, got {raw!r}")
+            timeout = min(timeout, 600.0)
         deadline = time.monotonic() + timeout
         while True:
             ok = bool(await asyncio.to_thread(engine.flush_cache))
@@ -381,7 +425,8 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     async def generate(request: Request):
         body = parse_json_body(await request.body())
         gi = parse_generate(body, state.tokenize, vocab_size=state.vocab_size, context_length=state.context_length,
-                            default_sampling=state.default_sampling, block_length=args.block_length)
+                            default_sampling=state.default_sampling, block_length=args.block_length,
+                            max_batch_size=args.max_batch_size, max_n=args.max_n)
         sub = state.new_submission(gi.items)
         await sub.submit()
         if gi.stream:
@@ -396,6 +441,7 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
         for f in finals:
             if getattr(f, "error", None):
                 raise APIError(f"generation failed: {f.error}", status=500, err_type="InternalServerError")
+        state.check_not_aborted_by_shutdown(finals)
         outs = [final_output(state, gi.items[i], f, sub, i) for i, f in enumerate(finals)]
         return ORJSONResponse(outs if gi.batch else outs[0])
 
@@ -444,6 +490,15 @@ class AuthAndCount:
             return "/v1/models/{model_id}"
         return path if path in self._routes else "other"
 
+    async def _reject(self, scope: dict, send: Any, err: APIError) -> None:
+        body = dumps(_error_body(scope.get("path", ""), err))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if err.status == 413:
+            headers.append((b"connection", b"close"))  # the unread body makes the connection unusable
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.state.metrics.on_http(self._route_label(scope), err.status)
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
@@ -451,13 +506,18 @@ class AuthAndCount:
         path = scope.get("path", "")
         key = self.state.args.api_key
         if key and not path.startswith(OPEN_PATHS) and not _authorized(scope, key):
-            body = b'{"error":"Unauthorized"}'
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            self.state.metrics.on_http(self._route_label(scope), 401)
+            await self._reject(scope, send, APIError("Unauthorized", status=401))
             return
+        if self.state.draining and not path.startswith(OPEN_PATHS):
+            await self._reject(scope, send, APIError("the server is shutting down", status=503))
+            return
+        limit = self.state.args.max_request_bytes
+        if limit:
+            declared = _content_length(scope)
+            if declared is not None and declared > limit:
+                await self._reject(scope, send, _too_large(declared, limit))
+                return
+            receive = _limited_receive(receive, limit)
         status = [500]
 
         async def send_and_note(message: dict) -> None:
@@ -469,6 +529,39 @@ class AuthAndCount:
             await self.app(scope, receive, send_and_note)
         finally:
             self.state.metrics.on_http(self._route_label(scope), status[0])
+
+
+def _too_large(size: int | None, limit: int) -> APIError:
+    got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return APIError(f"the request body is {got}; this server accepts at most {limit} bytes (--max-request-bytes)",
+                    status=413)
+
+
+def _content_length(scope: dict) -> int | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+def _limited_receive(receive: Any, limit: int) -> Any:
+    """``receive`` that fails with 413 once the body passes ``limit`` bytes (chunked uploads
+    carry no Content-Length to check up front). The APIError surfaces from the handler's
+    ``await request.body()`` and is answered by the APIError handler."""
+    seen = [0]
+
+    async def wrapped() -> dict:
+        message = await receive()
+        if message.get("type") == "http.request":
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > limit:
+                raise _too_large(None, limit)
+        return message
+
+    return wrapped
 
 
 def require_dict(obj: Any) -> dict:

@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 # SGLang's backend names we map onto ours instead of refusing to start.
 _ATTENTION_ALIASES = {"torch_native": "torch", "sdpa": "torch"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 
 
 @dataclass
@@ -49,6 +50,11 @@ class ServerArgs:
     skip_server_warmup: bool = False
     enable_metrics: bool = True  # /metrics is always served; the flag is accepted for SGLang parity
     num_threads: int | None = None
+    # request limits and shutdown
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_batch_size: int = 1024
+    max_n: int = 256
+    graceful_shutdown_timeout: float = 5.0
     # prefix cache (bicache)
     prefix_cache: str = "bicache"
     bicache_profile: str | None = None
@@ -200,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Stream deltas instead of SGLang's default cumulative text/output_ids.")
     g.add_argument("--skip-server-warmup", action="store_true")
     g.add_argument("--enable-metrics", action="store_true", help="Accepted for SGLang parity; /metrics is always on.")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="Largest request body accepted; larger ones get 413 (default 32 MiB).")
+    g.add_argument("--max-batch-size", type=int, default=1024,
+                   help="Most sequences (prompts x n) one request may create; more get 400.")
+    g.add_argument("--max-n", type=int, default=256, help="Largest n (samples per prompt); larger get 400.")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                   help="On SIGTERM/SIGINT: seconds running requests get to finish before they are aborted "
+                        "(each still gets an answer); new requests get 503 meanwhile.")
 
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-running-requests", type=int, default=16,
@@ -278,11 +292,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         else:
             logger.warning("--dllm-algorithm %s is not supported; using remasking=%s", ns.dllm_algorithm, remasking)
     for name in ("max_running_requests", "block_length", "steps_per_block", "steps", "max_queued_requests",
-                 "max_prefix_cache_tokens", "num_threads", "context_length"):
+                 "max_prefix_cache_tokens", "num_threads", "context_length", "max_request_bytes", "max_batch_size",
+                 "max_n"):
         v = getattr(ns, name)
         lo = 0 if name in ("max_queued_requests", "max_prefix_cache_tokens") else 1
         if v is not None and v < lo:
             parser.error(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
+    if not 0 <= ns.graceful_shutdown_timeout < float("inf"):
+        parser.error("--graceful-shutdown-timeout must be a number of seconds >= 0, "
+                     f"got {ns.graceful_shutdown_timeout}")
     args = ServerArgs(
         model_path=ns.model_path,
         tokenizer_path=ns.tokenizer_path,
@@ -304,6 +322,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         incremental_streaming_output=ns.incremental_streaming_output,
         skip_server_warmup=ns.skip_server_warmup,
         num_threads=ns.num_threads,
+        max_request_bytes=ns.max_request_bytes,
+        max_batch_size=ns.max_batch_size,
+        max_n=ns.max_n,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         prefix_cache=ns.prefix_cache,
         bicache_profile=ns.bicache_profile,
         max_prefix_cache_tokens=ns.max_prefix_cache_tokens,

@@ -15,8 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from bicache_sgl.server.chat import normalize_messages, render_chat
-from bicache_sgl.server.protocol import (APIError, Item, LogprobOptions, check_length, check_token_ids, is_int,
-                                         parse_json_body, require_object, sampling_params_from)
+from bicache_sgl.server.protocol import (APIError, Item, LogprobOptions, check_batch_size, check_length,
+                                         check_token_ids, is_int, parse_json_body, require_object,
+                                         sampling_params_from)
 
 # request keys copied into sampling_params as they are (SGLang extras and diffusion knobs)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
@@ -85,8 +86,10 @@ def register_openai_routes(app: FastAPI, state: Any) -> None:
         return sp
 
     def make_items(id_lists: list[list[int]], sp: dict, explicit_max: bool, lp: LogprobOptions) -> list[Item]:
-        params, explicit = sampling_params_from(sp, state.default_sampling)
+        params, explicit = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
         explicit = explicit_max
+        check_batch_size(len(id_lists) * params.n, state.args.max_batch_size,
+                         "sequences (prompts x n)" if params.n > 1 else "prompts")
         items = []
         for pi, ids in enumerate(id_lists):
             p = check_length(len(ids), params, explicit, state.context_length, state.args.block_length)
@@ -169,6 +172,7 @@ def register_openai_routes(app: FastAPI, state: Any) -> None:
         for f in finals:
             if getattr(f, "error", None):
                 raise APIError(f"generation failed: {f.error}", status=500, err_type="InternalServerError")
+        state.check_not_aborted_by_shutdown(finals)
         return finals
 
     def stream_error(ev: Any) -> bytes:
@@ -187,6 +191,8 @@ def register_openai_routes(app: FastAPI, state: Any) -> None:
             prompt_texts = [prompt]
             id_lists = [state.tokenize(prompt)]
         elif isinstance(prompt, list) and prompt:
+            if not all(is_int(p) for p in prompt):  # a list of prompts: bounded before tokenizing
+                check_batch_size(len(prompt), state.args.max_batch_size)
             if all(isinstance(p, str) for p in prompt):
                 if any(p == "" for p in prompt):
                     raise APIError("prompt contains an empty string", param="prompt")

@@ -80,10 +80,16 @@ def check_text(t: Any, what: str = "text") -> str:
     return t
 
 
-def sampling_params_from(d: Any, defaults: Mapping[str, Any] | None = None) -> tuple[SamplingParams, bool]:
+DEFAULT_MAX_N = 256
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+def sampling_params_from(d: Any, defaults: Mapping[str, Any] | None = None, *,
+                         max_n: int = DEFAULT_MAX_N) -> tuple[SamplingParams, bool]:
     """SGLang ``sampling_params`` dict -> (SamplingParams, max_new_tokens explicitly given).
 
-    ``defaults`` (the server's) fill keys the request leaves out or sets to null.
+    ``defaults`` (the server's) fill keys the request leaves out or sets to null; ``max_n`` is
+    the server's ``--max-n``.
     """
     if d is None:
         d = {}
@@ -96,12 +102,17 @@ def sampling_params_from(d: Any, defaults: Mapping[str, Any] | None = None) -> t
         v = merged.get(k)
         if v is not None and is_int(v) and v < 0:
             raise APIError(f"max_new_tokens must be >= 0, got {v}", param="max_new_tokens")
-    if "n" in merged and is_int(merged["n"]) and merged["n"] > 256:
-        raise APIError(f"n must be <= 256, got {merged['n']}", param="n")
     try:
-        return SamplingParams.from_dict(merged), explicit
+        params = SamplingParams.from_dict(merged)
     except (ValueError, TypeError) as e:
         raise APIError(str(e)) from None
+    # checked on the parsed values: JSON integers past 64 bits, and 1e15, arrive as floats and
+    # become ints only in from_dict (an unchecked n = 1e15 would expand into 1e15 requests)
+    if params.n > max_n:
+        raise APIError(f"n must be <= {max_n} (the server's --max-n), got {params.n}", param="n")
+    if params.seed is not None and not SEED_RANGE[0] <= params.seed < SEED_RANGE[1]:
+        raise APIError(f"seed must be an integer in [-2**63, 2**64), got {params.seed}", param="seed")
+    return params, explicit
 
 
 @dataclass
@@ -199,10 +210,18 @@ class GenerateInput:
     stream: bool
 
 
+def check_batch_size(n_sequences: int, max_batch_size: int | None, what: str = "prompts") -> None:
+    """One HTTP request may create at most ``--max-batch-size`` engine requests."""
+    if max_batch_size is not None and n_sequences > max_batch_size:
+        raise APIError(f"the request has {n_sequences} {what}; the server accepts at most {max_batch_size} per "
+                       f"request (--max-batch-size)", param="batch")
+
+
 def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_length: int | None,
                    default_sampling: Mapping[str, Any] | None = None, block_length: int | None = None,
-                   ) -> GenerateInput:
-    """Validate a ``/generate`` body and expand it into engine items (prompt-major, then sample)."""
+                   max_batch_size: int | None = None, max_n: int = DEFAULT_MAX_N) -> GenerateInput:
+    """Validate a ``/generate`` body and expand it into engine items (prompt-major, then sample).
+    ``max_batch_size`` bounds the number of prompts x samples, checked before tokenizing."""
     obj = require_object(body)
     text, input_ids = obj.get("text"), obj.get("input_ids")
     if obj.get("input_embeds") is not None:
@@ -230,6 +249,7 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
             id_lists = [check_token_ids(input_ids, vocab_size)]
         prompts = None
     n_prompts = len(prompts if prompts is not None else id_lists)
+    check_batch_size(n_prompts, max_batch_size)
 
     stream = obj.get("stream") or False
     if not isinstance(stream, bool):
@@ -252,8 +272,11 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
 
     items: list[Item] = []
     any_n = False
+    parsed = [sampling_params_from(sp_list[i], default_sampling, max_n=max_n) for i in range(n_prompts)]
+    if n_prompts > 1 or parsed[0][0].n > 1:  # bounded before anything is tokenized or expanded
+        check_batch_size(sum(p.n for p, _ in parsed), max_batch_size, "sequences (prompts x n)")
     for i in range(n_prompts):
-        params, explicit = sampling_params_from(sp_list[i], default_sampling)
+        params, explicit = parsed[i]
         ids = tokenize(prompts[i]) if prompts is not None else id_lists[i]
         if not ids:
             raise APIError("the prompt tokenizes to nothing")

@@ -1,0 +1,140 @@
+"""Shared helpers for the reliability suite (tests/test_reliability_*.py).
+
+Every test there runs against a real server subprocess on a free loopback port, serving a tiny
+random LLaDA checkpoint (``bicache_sgl.testing.make_tiny_llada``) with one torch thread. The
+servers are started by :func:`serve` (a context manager that always kills the server) and
+observed only through HTTP (``/get_server_info``) and ``/proc`` (resident memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import requests
+
+DEFAULT_FLAGS: dict[str, Any] = dict(block_length=8, steps_per_block=2, threshold="none", context_length=384,
+                                     num_threads=1, random_seed=0, timeout=180)
+
+
+@contextlib.contextmanager
+def serve(folder: Path, *, seed: int = 0, **flags: Any) -> Iterator[Any]:
+    """Start ``python -m bicache_sgl.launch_server`` on a tiny model in ``folder``; yield the
+    :class:`bicache_sgl.runtime.Runtime`; always stop it (even when the test failed)."""
+    from bicache_sgl.runtime import Runtime
+    from bicache_sgl.testing import make_tiny_llada
+
+    folder = Path(folder)
+    model = make_tiny_llada(folder / "model", seed=seed)
+    kw = {**DEFAULT_FLAGS, **flags}
+    kw.setdefault("log_path", str(folder / "server.log"))
+    rt = Runtime(model_path=model, **kw)
+    rt.model_path = model
+    try:
+        yield rt
+    finally:
+        rt.shutdown()
+
+
+def auth(rt: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {rt.api_key}"} if getattr(rt, "api_key", None) else {}
+
+
+def server_state(rt: Any) -> dict[str, Any]:
+    r = requests.get(rt.url + "/get_server_info", headers=auth(rt), timeout=30)
+    r.raise_for_status()
+    return r.json()["internal_states"][0]
+
+
+def wait_idle(rt: Any, timeout: float = 20.0) -> dict[str, Any]:
+    """Poll until nothing runs or waits; return the idle state (fails the test on timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = server_state(rt)
+        if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout} s: running {st['num_running_reqs']}, "
+                                 f"waiting {st['num_waiting_reqs']}")
+        time.sleep(0.05)
+
+
+def assert_pool_integrity(st: dict[str, Any], *, idle: bool = True) -> None:
+    """The prefix pool's slot accounting: free + cached + in-flight == capacity. When idle, no
+    slot is in flight and no cached prefix is locked (protected)."""
+    cap = st["prefix_cache_capacity_tokens"]
+    free, used = st["prefix_cache_free_tokens"], st["prefix_cache_used_tokens"]
+    in_flight = st["prefix_cache_in_flight_tokens"]
+    assert free + used + in_flight == cap, f"slot leak: free {free} + cached {used} + in flight {in_flight} != {cap}"
+    assert 0 <= used <= cap and 0 <= free <= cap
+    if idle:
+        assert in_flight == 0, f"{in_flight} slots still in flight while idle"
+        assert st["prefix_cache_protected_tokens"] == 0, "cache locks not released while idle"
+        assert used == st["prefix_cache_evictable_tokens"]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (psutil when installed, else /proc)."""
+    try:
+        import psutil  # type: ignore[import-not-found]
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except ImportError:
+        pass
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def sse_frames(lines: Any) -> list[Any]:
+    """Parsed ``data:`` frames from an iterable of byte/str lines; '[DONE]' stays a string."""
+    out: list[Any] = []
+    for line in lines:
+        if isinstance(line, bytes):
+            line = line.decode("utf-8")
+        if not line.startswith("data:"):
+            continue
+        body = line[5:].strip()
+        out.append(body if body == "[DONE]" else json.loads(body))
+    return out
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on the port, and a new server could bind it (SO_REUSEADDR, as uvicorn and
+    every other server sets it; connections in TIME_WAIT do not block such a bind)."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return False  # something still accepts connections
+    except OSError:
+        pass
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(1)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def log_has_no_server_errors(rt: Any) -> None:
+    log = rt.log_text()
+    assert "Traceback" not in log, log[-4000:]
+    assert "unexpected error" not in log
+
+
+def env_flag(name: str, default: int) -> int:
+    """Scale knob for a longer local soak, e.g. RELIABILITY_LOAD_REQUESTS=2000."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
