@@ -450,8 +450,12 @@ def run_one(server: Server, cfg: str, wl: Workload, conc: int, args, tok_path: s
     tag = f"{cfg}_{wl.name.replace(' ', '_').replace('=', '')}_c{conc}".replace("+", "-")
     log_path = out_dir / "logs" / f"{tag}.log"
     res: dict[str, Any] = {"config": cfg, "workload": wl.name, "kind": wl.kind, "r": wl.r, "concurrency": conc}
-    server.flush()
-    before = server.state()
+    try:
+        server.flush()
+        before = server.state()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        res["error"] = f"server not answering before the run: {e} (log: {server.log_path})"
+        return res
     sampler.reset()
     if wl.kind == "gsp":
         out_file = out_dir / "logs" / f"{tag}.jsonl"
@@ -488,7 +492,11 @@ def run_one(server: Server, cfg: str, wl: Workload, conc: int, args, tok_path: s
                 pass
         else:
             res["error"] = f"bench_fewshot exited with {rc} (log: {log_path})"
-    after = server.state()
+    try:
+        after = server.state()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        res["error"] = f"server not answering after the run: {e} (log: {server.log_path})"
+        return res
     res["peak_rss"] = sampler.peak
     res["client_wall"] = wall
     d = counter_delta(before, after)
@@ -702,7 +710,7 @@ def make_plot(results: list[dict], path: Path, title: str) -> Optional[str]:
     a1.set_yscale("log")
     a1.set_xlabel("shared prefix fraction r")
     a1.set_ylabel("output tokens/s (log)")
-    a1.set_title("throughput (lines: generated-shared-prefix; stars: few-shot)")
+    a1.set_title("throughput (lines: generated-shared-prefix; stars: few-shot, black edge = batched)")
     a1.grid(True, which="both", alpha=0.3)
     a1.legend(fontsize=7)
     b = [r for r in ok if r["config"] == "bicache+dual" and r.get("x_dual_measured")]
