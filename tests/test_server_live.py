@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from reliability_support import sse_frames
 
 requests = pytest.importorskip("requests")
 
@@ -60,14 +61,7 @@ def gen(server, payload):
 
 def sse_events(resp):
     """Parsed ``data:`` frames of an SSE response; the last item is the string '[DONE]'."""
-    out = []
-    for line in resp.iter_lines(decode_unicode=False):
-        line = line.decode("utf-8")
-        if not line.startswith("data:"):
-            continue
-        body = line[5:].strip()
-        out.append(body if body == "[DONE]" else json.loads(body))
-    return out
+    return sse_frames(resp.iter_lines(decode_unicode=False))
 
 
 # ------------------------------------------------------------------------------------------------
