@@ -161,6 +161,17 @@ def _common_len(key: np.ndarray, ids: np.ndarray, start: int) -> int:
     return int(diff[0]) if diff.size else n
 
 
+
+def _as_slots(values: np.ndarray, n: int) -> np.ndarray:
+    """Validated private int64 copy of ``values``: 1-D integer slot ids, one per token id."""
+    vals = np.asarray(values)
+    if vals.ndim != 1 or len(vals) != n:
+        raise ValueError(f"values must be 1-D with one slot per id: got shape {vals.shape} "
+                         f"for {n} ids")
+    if vals.size and not np.issubdtype(vals.dtype, np.integer):
+        raise ValueError(f"values must be integer slot ids, got dtype {vals.dtype}")
+    return np.array(vals, dtype=np.int64, copy=True)
+
 def _check_depth(depth: int) -> int:
     if isinstance(depth, (bool, np.bool_)) or not isinstance(depth, (int, np.integer)):
         raise TypeError(f"depth must be an int, got {type(depth).__name__}")
@@ -233,15 +244,9 @@ class RadixTree:
         """
         arr = _as_ids(ids)
         depth = _check_depth(depth)
-        vals = np.asarray(values)
-        if vals.ndim != 1 or len(vals) != len(arr):
-            raise ValueError(f"values must be 1-D with one slot per id: got shape {vals.shape} "
-                             f"for {len(arr)} ids")
-        if vals.size and not np.issubdtype(vals.dtype, np.integer):
-            raise ValueError(f"values must be integer slot ids, got dtype {vals.dtype}")
         # Private copy: the tree keeps slices of it, so later writes to the caller's buffer
         # cannot change what the tree owns.
-        vals = np.array(vals, dtype=np.int64, copy=True)
+        vals = _as_slots(values, len(arr))
         n = len(arr)
         taken = np.zeros(n, dtype=bool)
         replaced: list[np.ndarray] = []
@@ -587,13 +592,7 @@ class NullRadixTree:
         """Takes nothing; every caller slot comes back in ``to_free``."""
         arr = _as_ids(ids)
         _check_depth(depth)
-        vals = np.asarray(values)
-        if vals.ndim != 1 or len(vals) != len(arr):
-            raise ValueError(f"values must be 1-D with one slot per id: got shape {vals.shape} "
-                             f"for {len(arr)} ids")
-        if vals.size and not np.issubdtype(vals.dtype, np.integer):
-            raise ValueError(f"values must be integer slot ids, got dtype {vals.dtype}")
-        vals = np.array(vals, dtype=np.int64, copy=True)
+        vals = _as_slots(values, len(arr))
         to_free = [vals] if vals.size else []
         return InsertResult(prefix_len=0, handle=self._root,
                             taken=np.zeros(len(arr), dtype=bool), to_free=to_free)
