@@ -3,7 +3,7 @@ bicache shared-prefix KV reuse."""
 
 from .config import DecodeDefaults, EngineConfig, SamplingParams
 from .engine.engine import Engine
-from .engine.request import GenerateRequest, QueueFullError, RequestEvent
+from .io_struct import GenerateRequest, QueueFullError, RequestEvent
 
 __all__ = ["DecodeDefaults", "Engine", "EngineConfig", "GenerateRequest", "QueueFullError", "RequestEvent",
            "SamplingParams", "Runtime"]

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
-from .engine.scheduler import common_prefix_len
+from .scheduler.scheduler import common_prefix_len
 
 log = logging.getLogger("bicache_sgl.calibrate")
 
@@ -263,7 +263,7 @@ class AgreementMeter:
 
     def measure(self, sample: Sample, task: Task, sampling: dict) -> tuple[list[float], list[list[int]]]:
         from .config import SamplingParams
-        from .engine.request import GenerateRequest
+        from .io_struct import GenerateRequest
         eng = self.engine
         if not eng.flush_cache():
             raise RuntimeError("could not flush the prefix cache")

@@ -11,8 +11,8 @@ import pytest
 from bicache_sgl import Engine, GenerateRequest, SamplingParams
 from bicache_sgl.bicache.policy import choose_depth
 from bicache_sgl.bicache.profile import BicacheProfile, find_profile
-from bicache_sgl.engine.scheduler import Scheduler
-from bicache_sgl.kv_cache.prefix_pool import SlotAllocator, bytes_per_token
+from bicache_sgl.scheduler.scheduler import Scheduler
+from bicache_sgl.kv_cache.pool import SlotAllocator, bytes_per_token
 from bicache_sgl.models.config import parse_model_config
 
 PREFIX = "System: you are a helpful assistant. Examples follow.\nQuestion: a\nAnswer: 1\n\n" * 2

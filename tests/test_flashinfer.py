@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bicache_sgl.attention.base import available_backends, create_backend
+from bicache_sgl.attention import available_backends, create_backend
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer needs a CUDA GPU")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bicache_sgl.attention.base import create_backend
-from bicache_sgl.engine.forward_batch import ForwardBatch, SeqKV, SeqWork
+from bicache_sgl.attention import create_backend
+from bicache_sgl.models.forward_batch import ForwardBatch, SeqKV, SeqWork
 from bicache_sgl.models.config import CheckpointError
 from bicache_sgl.models.loader import load_model, load_tokenizer
 

@@ -8,7 +8,7 @@ K/V for the whole sequence at this layer), never to another sequence's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -29,30 +29,3 @@ class AttentionBackend(ABC):
         one forward, so a backend may reuse its plan. Returns [T, H, Dh] in q's dtype."""
 
 
-_REGISTRY: dict[str, Callable[[torch.device], AttentionBackend]] = {}
-
-
-def register_backend(name: str) -> Callable:
-    def deco(factory: Callable[[torch.device], AttentionBackend]) -> Callable:
-        _REGISTRY[name] = factory
-        return factory
-    return deco
-
-
-def available_backends() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    # Importing the modules registers them; flashinfer's module imports flashinfer itself lazily.
-    from . import flashinfer_backend, torch_backend  # noqa: F401
-
-
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    _load_builtin()
-    aliases = {"torch_native": "torch", "sdpa": "torch"}
-    name = aliases.get(name, name)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name](device)

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .base import AttentionBackend, register_backend
+from .base import AttentionBackend
 
 
 class FlashInferAttention(AttentionBackend):
@@ -53,7 +53,3 @@ class FlashInferAttention(AttentionBackend):
         v = torch.cat(list(values), dim=0)
         return self._wrapper.run(q.contiguous(), k, v)
 
-
-@register_backend("flashinfer")
-def _make(device: torch.device) -> AttentionBackend:
-    return FlashInferAttention(device)

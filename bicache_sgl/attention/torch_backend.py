@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, register_backend
+from .base import AttentionBackend
 
 # Sequences whose query lengths are within this ratio share one padded call: a 32-row block
 # step is not padded up to a 500-row refresh.
@@ -23,7 +23,7 @@ _GROUP_RATIO = 1.5
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._plans: dict = {}
 
     def begin_forward(self) -> None:
@@ -100,7 +100,3 @@ def sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask)
     return o.transpose(1, 2)
 
-
-@register_backend("torch")
-def _make(device: torch.device) -> AttentionBackend:
-    return TorchAttention()

@@ -1,7 +1,7 @@
 """Masked-diffusion decoding primitives (LLaDA's algorithm and Fast-dLLM threshold decoding).
 
 Pure functions on logits of the positions being decided; the per-request state machine that
-uses them lives in ``bicache_sgl.engine.request``.
+uses them lives in ``bicache_sgl.scheduler.request``.
 """
 
 from __future__ import annotations

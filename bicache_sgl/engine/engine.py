@@ -20,16 +20,17 @@ import torch
 
 from radix import NullRadixTree, RadixTree
 
-from ..attention.base import create_backend
+from ..attention import create_backend
 from ..bicache.policy import choose_depth
 from ..bicache.profile import find_profile
 from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..kv_cache.prefix_cache import PrefixCache
-from ..kv_cache.prefix_pool import PrefixPool, bytes_per_token
+from ..kv_cache.pool import PrefixPool, bytes_per_token
 from ..models.loader import load_model, load_tokenizer, resolve_model_path
-from .forward_batch import Capture, ForwardBatch, SeqKV
-from .request import DecodePlan, GenerateRequest, QueueFullError, Req, RequestEvent
-from .scheduler import Scheduler
+from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
+from ..models.forward_batch import Capture, ForwardBatch, SeqKV
+from ..scheduler.request import DecodePlan, Req
+from ..scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

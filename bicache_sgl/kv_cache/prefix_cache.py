@@ -15,7 +15,7 @@ import numpy as np
 
 from radix import MatchResult, NullRadixTree, RadixTree
 
-from .prefix_pool import PrefixPool
+from .pool import PrefixPool
 
 
 class PrefixCache:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..attention.base import AttentionBackend
 from ..attention.torch_backend import sdpa_one
-from ..engine.forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch
 from .config import ModelConfig
 
 

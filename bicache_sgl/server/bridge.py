@@ -24,7 +24,7 @@ def _is_queue_full(exc: BaseException) -> bool:
 
 
 def make_engine_request(item: Item):
-    from bicache_sgl.engine.request import GenerateRequest  # the engine package loads torch
+    from bicache_sgl.io_struct import GenerateRequest  # the engine package loads torch
 
     kw = {}
     if item.extra.get("bicache_depth") is not None:

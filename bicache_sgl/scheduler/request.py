@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -16,36 +16,8 @@ import torch
 from ..bicache.policy import DepthChoice
 from ..config import DecodeDefaults, SamplingParams
 from ..decoding import NEG_INF, decide, num_transfer_schedule, select_transfer
-from .forward_batch import Capture, SeqKV, SeqWork
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queued-requests."""
-
-
-@dataclass
-class GenerateRequest:
-    input_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    rid: str | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    # Force the bicache depth for this request (calibration and experiments); still capped by
-    # the depth the matched prefix holds. None: the engine's --prefix-cache policy decides.
-    bicache_depth: int | None = None
-
-
-@dataclass
-class RequestEvent:
-    rid: str
-    text: str
-    output_ids: list[int]
-    finished: bool
-    finish_reason: dict | None = None
-    meta_info: dict = field(default_factory=dict)
-    error: str | None = None
+from ..io_struct import GenerateRequest, RequestEvent
+from ..models.forward_batch import Capture, SeqKV, SeqWork
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,48 @@
+"""The engine as the server sees it: a typed interface, so the HTTP layer never probes the engine.
+
+:class:`bicache_sgl.engine.engine.Engine` implements it in-process; a client that talks to an
+engine in another process implements the same methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from ..config import EngineConfig
+from ..io_struct import GenerateRequest, RequestEvent
+from ..models.config import ModelConfig
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a front end (HTTP server, CLI, benchmarks) may use of an engine."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: str  # resolved checkpoint folder
+    context_length: int  # max prompt + generation region, in tokens
+    tokenizer: Any  # a transformers tokenizer (encode / decode / chat template)
+    eos_ids: tuple[int, ...]
+
+    def validate(self, greq: GenerateRequest) -> None:
+        """Raise ValueError naming what is wrong with a request (nothing is queued)."""
+
+    def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
+        """Queue one request; ``on_event`` runs on the engine thread for each block and at the end.
+        Raises ValueError (bad input) or QueueFullError (queue or memory budget full)."""
+
+    def submit_many(self, greqs: Sequence[GenerateRequest],
+                    on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:
+        """Queue several requests atomically (they become visible to the same step)."""
+
+    def abort(self, rid: str) -> None:
+        """Abort a queued or running request (its final event carries finish_reason abort)."""
+
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        """Drop every cached prefix not in use; False on timeout."""
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters for /get_server_info and /metrics (see docs/server.md)."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine; requests in flight finish with an abort."""
