@@ -115,7 +115,7 @@ class ForwardBatch:
         T = offsets[-1]
         starts = sorted({0} | {d for d in depths if d > 0 and d < n_layers})
         prev_rows = None
-        for li, start in enumerate(starts):
+        for start in starts:
             inactive = np.zeros(T, dtype=bool)
             for s_i, s in enumerate(self.seqs):
                 if s.depth > start:

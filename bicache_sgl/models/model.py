@@ -175,7 +175,6 @@ class DiffusionLM(nn.Module):
         rope = self.rope_for(fb.row_pos[rows_t])
         captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None and pool is not None]
         cap_rows = self._capture_rows(fb, captures)
-        logit_rows_t = torch.from_numpy(fb.logit_rows).to(fb.device)
         for li, layer in enumerate(self.layers):
             if next_seg is not None and next_seg.start_layer == li:
                 new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
