@@ -99,14 +99,49 @@ class SamplingParams:
             _check(isinstance(self.refresh_interval, int) and self.refresh_interval >= 0,
                    f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
 
-    # SGLang clients send many keys we do not use (regex, json_schema, frequency_penalty, ...);
-    # they are accepted and ignored. ``None`` always means "default".
     _ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "gen_length": "max_new_tokens",
                 "sampling_seed": "seed"}
+    # Keys of SGLang's sampling-params schema this engine does not implement: key -> (values that
+    # ask for nothing, what the key would need). SGLang's frontend sends most of them on every
+    # call with their no-op defaults, so those are accepted; any other value is refused, because
+    # silently ignoring it would hand back e.g. unconstrained text to a program that asked for a
+    # regex. Numbers compare by value (0 == 0.0) but never against booleans.
+    UNSUPPORTED = {
+        "regex": ((), "constrained decoding"),
+        "json_schema": ((), "constrained decoding"),
+        "ebnf": ((), "constrained decoding"),
+        "structural_tag": ((), "constrained decoding"),
+        "stop_regex": (([],), "stop strings are matched literally; use stop"),
+        "frequency_penalty": ((0.0,), "sampling penalties"),
+        "presence_penalty": ((0.0,), "sampling penalties"),
+        "repetition_penalty": ((1.0,), "sampling penalties"),
+        "min_p": ((0.0,), "min-p sampling"),
+        "logit_bias": (({},), "logit bias"),
+        "custom_params": (({},), "custom logit processors"),
+        "no_stop_trim": ((False,), "a matched stop string is always trimmed from the text"),
+        "spaces_between_special_tokens": ((True,), "the spacing of special tokens in the text is fixed"),
+        "stream_interval": ((), "a stream sends one chunk per finished block"),
+    }
+
+    @classmethod
+    def check_supported(cls, key: str, value: Any) -> None:
+        """Raise ValueError naming ``key`` unless ``value`` asks for nothing (null or the no-op
+        default) of a key in :attr:`UNSUPPORTED`. Keys outside that table pass."""
+        if value is None or key not in cls.UNSUPPORTED:
+            return
+        noops, what = cls.UNSUPPORTED[key]
+        for d in noops:
+            if isinstance(value, bool) == isinstance(d, bool) and value == d:
+                return
+        import json
+
+        allowed = "remove the field or set it to null" + "".join(f" or {json.dumps(d)}" for d in noops)
+        raise ValueError(f"{key} is not supported yet ({what}): {allowed}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
-        """Build from an SGLang-style ``sampling_params`` dict. Raises ValueError on bad values."""
+        """Build from an SGLang-style ``sampling_params`` dict. Raises ValueError naming the key on a
+        bad value, an unknown key, or a non-default value of a key in :attr:`UNSUPPORTED`."""
         if d is None:
             return cls()
         if not isinstance(d, Mapping):
@@ -115,8 +150,14 @@ class SamplingParams:
         kw: dict[str, Any] = {}
         for k, v in d.items():
             k = cls._ALIASES.get(k, k)
-            if k not in names or v is None:
+            if v is None:  # null always means "the default", for every key
                 continue
+            if k in cls.UNSUPPORTED:
+                cls.check_supported(k, v)
+                continue
+            if k not in names:
+                raise ValueError(f"{k} is not a sampling parameter: it is neither in SGLang's sampling-params schema "
+                                 "nor one of this server's diffusion parameters (see docs/server.md)")
             if k == "stop":
                 v = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else v
                 if not isinstance(v, tuple):
@@ -179,7 +220,9 @@ class EngineConfig:
     context_length: int | None = None
     # prefix cache (bicache)
     prefix_cache: str = "bicache"  # off | naive | bicache | fixed:N
-    max_prefix_cache_tokens: int | None = None  # None: derived from memory (cpu: 65536 tokens)
+    max_prefix_cache_tokens: int | None = None  # None: derived from memory (kv_cache/memory.py)
+    # budget of private K/V positions over all running requests (None: derived from memory)
+    max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     bicache_profile: str | None = None
     decode: DecodeDefaults = field(default_factory=DecodeDefaults)
@@ -195,6 +238,7 @@ class EngineConfig:
         parse_prefix_cache_mode(self.prefix_cache)
         _check(self.max_prefix_cache_tokens is None or self.max_prefix_cache_tokens >= 0,
                "max_prefix_cache_tokens must be >= 0")
+        _check(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens must be >= 1")
         _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                "mem_fraction_static must be in (0, 1)")
         _check(isinstance(self.decode, DecodeDefaults), "decode must be a DecodeDefaults")

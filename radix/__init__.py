@@ -10,7 +10,7 @@ from radix.tree import (
     MatchResult,
     NodeHandle,
     NullRadixTree,
-    PrefixCache,
+    PrefixIndex,
     RadixTree,
     TreeNode,
 )
@@ -20,7 +20,7 @@ __all__ = [
     "MatchResult",
     "NodeHandle",
     "NullRadixTree",
-    "PrefixCache",
+    "PrefixIndex",
     "RadixTree",
     "TreeNode",
 ]

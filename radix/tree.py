@@ -25,7 +25,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import Sequence
 
 import numpy as np
 
@@ -34,7 +35,7 @@ __all__ = [
     "MatchResult",
     "NodeHandle",
     "NullRadixTree",
-    "PrefixCache",
+    "PrefixIndex",
     "RadixTree",
     "TreeNode",
 ]
@@ -123,23 +124,61 @@ class InsertResult:
     to_free: list[np.ndarray]
 
 
-@runtime_checkable
-class PrefixCache(Protocol):
-    """The interface shared by :class:`RadixTree` and :class:`NullRadixTree`."""
+class PrefixIndex(ABC):
+    """The prefix index interface (token ids -> slot arrays with a depth), implemented by
+    :class:`RadixTree` and by :class:`NullRadixTree` (caching off). Tensor-free: slot arrays point
+    into a pool owned elsewhere, so the index is tested on CPU in milliseconds."""
 
-    def match_prefix(self, ids: Sequence[int]) -> MatchResult: ...
-    def insert(self, ids: Sequence[int], values: np.ndarray, depth: int) -> InsertResult: ...
-    def lock(self, handle: NodeHandle) -> None: ...
-    def unlock(self, handle: NodeHandle) -> None: ...
-    def evict(self, num_tokens: int) -> list[np.ndarray]: ...
-    def trim_depth(self, handle: NodeHandle, depth: int) -> None: ...
+    @abstractmethod
+    def match_prefix(self, ids: Sequence[int]) -> MatchResult:
+        """Longest cached prefix; may split a node and refreshes LRU times on the path."""
+
+    @abstractmethod
+    def peek_prefix_len(self, ids: Sequence[int]) -> int:
+        """Length of the longest cached prefix, changing nothing (no split, no LRU touch)."""
+
+    @abstractmethod
+    def insert(self, ids: Sequence[int], values: np.ndarray, depth: int) -> InsertResult:
+        """Cache ``ids`` with slots ``values`` holding ``depth`` layers of state."""
+
+    @abstractmethod
+    def lock(self, handle: NodeHandle) -> None:
+        """Protect the path root -> handle from eviction, trims and upgrades' frees."""
+
+    @abstractmethod
+    def unlock(self, handle: NodeHandle) -> None:
+        """Undo one :meth:`lock`."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> list[np.ndarray]:
+        """Evict unlocked LRU leaves until ``num_tokens`` are freed (or nothing is evictable)."""
+
+    @abstractmethod
+    def trim_depth(self, handle: NodeHandle, depth: int) -> None:
+        """Lower a node's recorded depth."""
+
+    @abstractmethod
     def evictable_size(self) -> int: ...
+
+    @abstractmethod
     def protected_size(self) -> int: ...
+
+    @abstractmethod
     def total_size(self) -> int: ...
+
+    @abstractmethod
     def total_layer_tokens(self) -> int: ...
+
+    @abstractmethod
     def all_values(self) -> np.ndarray: ...
+
+    @abstractmethod
     def reset(self) -> list[np.ndarray]: ...
+
+    @abstractmethod
     def check_integrity(self) -> None: ...
+
+    @abstractmethod
     def pretty(self) -> str: ...
 
 
@@ -180,7 +219,7 @@ def _check_depth(depth: int) -> int:
     return int(depth)
 
 
-class RadixTree:
+class RadixTree(PrefixIndex):
     """SGLang-style radix tree over token ids with per-node prefix-state depth."""
 
     def __init__(self) -> None:
@@ -228,6 +267,22 @@ class RadixTree:
             node = child
         values = np.concatenate(parts) if parts else _EMPTY_SLOTS.copy()
         return MatchResult(length=pos, handle=node, values=values, segments=tuple(segments))
+
+    def peek_prefix_len(self, ids: Sequence[int]) -> int:
+        """Length of the longest cached prefix of ``ids``; the tree is not changed (no split,
+        no LRU touch), so a scheduler may ask for every waiting request on every step."""
+        arr = _as_ids(ids)
+        node, pos = self._root, 0
+        while pos < len(arr):
+            child = node.children.get(int(arr[pos]))
+            if child is None:
+                break
+            m = _common_len(child.key, arr, pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
 
     # ------------------------------------------------------------------ insert
 
@@ -573,7 +628,7 @@ class RadixTree:
             stack.extend(node.children.values())
 
 
-class NullRadixTree:
+class NullRadixTree(PrefixIndex):
     """A prefix cache that caches nothing: ``prefix_cache="off"`` is this object, not a branch.
 
     match is always empty, insert takes nothing and hands every slot back in ``to_free``,
@@ -587,6 +642,11 @@ class NullRadixTree:
         """Always a match of length 0 at the root."""
         _as_ids(ids)
         return MatchResult(length=0, handle=self._root, values=_EMPTY_SLOTS.copy(), segments=())
+
+    def peek_prefix_len(self, ids: Sequence[int]) -> int:
+        """Always 0."""
+        _as_ids(ids)
+        return 0
 
     def insert(self, ids: Sequence[int], values: np.ndarray, depth: int) -> InsertResult:
         """Takes nothing; every caller slot comes back in ``to_free``."""

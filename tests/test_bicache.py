@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from bicache_sgl import Engine, GenerateRequest, SamplingParams
-from bicache_sgl.bicache.policy import choose_depth
+from bicache_sgl.bicache.policy import FixedPolicy, OffPolicy, ProfilePolicy, make_policy, request_policy
 from bicache_sgl.bicache.profile import BicacheProfile, find_profile
-from bicache_sgl.scheduler.scheduler import Scheduler
-from bicache_sgl.kv_cache.pool import SlotAllocator, bytes_per_token
+from bicache_sgl.kv_cache.memory import MAX_POOL_TOKENS, plan_memory, prefix_bytes_per_token
+from bicache_sgl.kv_cache.pool import SlotAllocator
 from bicache_sgl.models.config import parse_model_config
+from bicache_sgl.scheduler.scheduler import Scheduler
 
 PREFIX = "System: you are a helpful assistant. Examples follow.\nQuestion: a\nAnswer: 1\n\n" * 2
 # questions start with distinct characters, so each matches exactly the shared prefix
@@ -54,7 +55,7 @@ def test_fixed0_equals_off_and_fixedL_equals_naive(tiny_llada, cache_mode):
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs["off"])
 
 
-def test_fixed0_equals_off_bit_for_bit_on_dream(tiny_dream):
+def test_fixed0_gives_the_same_tokens_as_off_on_dream(tiny_dream):
     prompts = [PREFIX + q for q in QUESTIONS[:2]]
     res = []
     for mode in ("off", "fixed:0"):
@@ -203,24 +204,37 @@ def test_no_profile_means_depth_zero_with_a_warning(tiny_llada, caplog):
 
 def test_depth_policy_over_node_segments():
     prof = BicacheProfile(((0, 0), (50, 2), (80, 4)), 4)
+    pol = make_policy("bicache", 4, prof)
+    assert isinstance(pol, ProfilePolicy) and pol.node_depth == 4
     # one node of 90 tokens at depth 4 in a 100-token sequence: r = 0.9 -> b = 4
-    c = choose_depth("bicache", None, prof, 4, ((90, 4),), 90, 100)
+    c = pol.choose(((90, 4),), 90, 100)
     assert (c.prefix, c.depth) == (90, 4)
     # deeper part of the match holds fewer layers: 60 tokens at depth 4 then 30 at depth 1
-    c = choose_depth("bicache", None, prof, 4, ((60, 4), (90, 1)), 90, 100)
+    c = pol.choose(((60, 4), (90, 1)), 90, 100)
     assert (c.prefix, c.depth, c.matched) == (60, 2, 90)  # 60 x b(0.6)=2 beats 90 x 1
-    assert choose_depth("off", None, prof, 4, ((90, 4),), 90, 100).depth == 0
-    assert choose_depth("naive", None, None, 4, ((90, 4),), 90, 100).depth == 4
-    assert choose_depth("fixed", 3, None, 4, ((90, 2),), 90, 100).depth == 2  # capped by the node
+    off = make_policy("off", 4)
+    assert isinstance(off, OffPolicy) and not off.uses_cache and off.choose(((90, 4),), 90, 100).depth == 0
+    naive = make_policy("naive", 4)
+    assert naive.node_depth == 4 and naive.choose(((90, 4),), 90, 100).depth == 4
+    fixed = make_policy("fixed:3", 4)
+    assert fixed.node_depth == 3 and fixed.choose(((90, 2),), 90, 100).depth == 2  # capped by the node
+    assert make_policy("bicache", 4, None).node_depth == 0  # no profile: nothing stored, nothing reused
+    # per-request overrides: exact requests reuse nothing; bicache_depth fixes the depth
+    assert request_policy(pol, None, exact=True).choose(((90, 4),), 90, 100).depth == 0
+    forced = request_policy(pol, 1, exact=False)
+    assert isinstance(forced, FixedPolicy) and forced.choose(((90, 4),), 90, 100).depth == 1
+    assert request_policy(pol, None, exact=False) is pol
+
+
+class _R:
+    def __init__(self, prompt, kv_tokens=10):
+        self.prompt, self.kv_tokens = prompt, kv_tokens
 
 
 def test_scheduler_and_allocator_bookkeeping():
-    class R:
-        def __init__(self, prompt):
-            self.prompt = prompt
-    s = Scheduler(max_running=3)
+    s = Scheduler(max_running=3, kv_budget=1000)
     shared = list(range(40))
-    a, b, c, d = R(shared + [100]), R(shared + [101]), R([7] * 30), R(shared + [102])
+    a, b, c, d = _R(shared + [100]), _R(shared + [101]), _R([7] * 30), _R(shared + [102])
     for r in (a, b, c, d):
         s.add(r)
     picked = s.select(0, lambda r: 0)
@@ -243,6 +257,36 @@ def test_pool_bytes_per_token_for_real_shapes():
                                 "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
                                 "vocab_size": 152064})
     import torch
-    assert bytes_per_token(llada, 1, torch.bfloat16) == 24 * 1024  # K+V 16 KiB + h 8 KiB per layer
-    assert bytes_per_token(dream, 1, torch.bfloat16) == 2 * 512 * 2 + 3584 * 2  # 9 KiB per layer
-    assert bytes_per_token(llada, 32, torch.bfloat16) == 768 * 1024
+    assert prefix_bytes_per_token(llada, 1, torch.bfloat16) == 24 * 1024  # K+V 16 KiB + h 8 KiB per layer
+    assert prefix_bytes_per_token(dream, 1, torch.bfloat16) == 2 * 512 * 2 + 3584 * 2  # 9 KiB per layer
+    assert prefix_bytes_per_token(llada, 32, torch.bfloat16) == 768 * 1024
+
+
+def test_scheduler_admits_against_the_kv_budget():
+    """Requests wait while their private K/V does not fit; finishing frees budget; order is kept
+    (a large request is not overtaken by smaller ones behind it)."""
+    s = Scheduler(max_running=8, kv_budget=100)
+    big, small1, small2 = _R([1], 70), _R([2], 40), _R([3], 20)
+    for r in (big, small1, small2):
+        s.add(r)
+    assert s.select(0, lambda r: 0) == [big] and s.kv_in_use == 70
+    assert s.select(1, lambda r: 0) == []  # small1 (40) does not fit the 30 left; small2 waits behind it
+    s.finished(big)
+    assert s.select(0, lambda r: 0) == [small1, small2] and s.kv_in_use == 60
+    assert not s.fits_ever(_R([4], 101)) and s.fits_ever(_R([4], 100))
+
+
+def test_memory_plan_is_safe_for_depth_zero_on_a_large_gpu():
+    """Depth 0 stores no tensor bytes per token: the pool's token count stays capped instead of
+    becoming 0.3 x free bytes (which would need a host free list of hundreds of GB)."""
+    import torch
+    cfg = parse_model_config({"architectures": ["LLaDAModelLM"], "d_model": 4096, "n_layers": 32, "n_heads": 32,
+                              "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464})
+    h200_free = 120 << 30
+    plan = plan_memory(cfg, torch.bfloat16, torch.device("cuda"), 0, free_bytes=h200_free)
+    assert plan.pool_tokens == MAX_POOL_TOKENS["cuda"] and plan.pool_bytes == 0
+    assert plan.request_bytes <= h200_free
+    deep = plan_memory(cfg, torch.bfloat16, torch.device("cuda"), 32, free_bytes=h200_free)
+    assert deep.pool_bytes <= 0.3 * h200_free and deep.pool_bytes + deep.request_bytes <= h200_free
+    cpu = plan_memory(cfg, torch.bfloat16, torch.device("cpu"), 4, max_total_tokens=5000)
+    assert cpu.request_tokens == 5000

@@ -1,5 +1,7 @@
 """Decoding and batched execution: cache-mode exactness, batched == alone, stop conditions."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -79,18 +81,22 @@ def test_batched_equals_alone(engine):
              (PROMPTS[3], {"max_new_tokens": 16, "threshold": 0.05}),
              (PROMPTS[1], {"max_new_tokens": 16, "temperature": 0.8, "seed": 7, "remasking": "random"})]
     alone = [engine.generate(p, {"temperature": 0, **sp})["output_ids"] for p, sp in specs]
-    events = {}
-    rids = []
-    for p, sp in specs:
-        g = GenerateRequest(engine.encode(p), SamplingParams.from_dict({"temperature": 0, **sp}))
-        rids.append(engine.submit(g, lambda ev: events.__setitem__(ev.rid, ev) if ev.finished else None))
-    import time
-    t0 = time.time()
-    while len(events) < len(rids) and time.time() - t0 < 60:
-        time.sleep(0.01)
-    together = [events[r].output_ids for r in rids]
-    assert together == alone
-    assert engine.get_stats()["num_forward_passes"] > 0
+    greqs = [GenerateRequest(engine.encode(p), SamplingParams.from_dict({"temperature": 0, **sp})) for p, sp in specs]
+    events, done = {}, threading.Event()
+
+    def on_event(ev):
+        if ev.finished:
+            events[ev.rid] = ev
+            if len(events) == len(greqs):
+                done.set()
+    before = engine.get_stats()["num_forward_passes"]
+    rids = engine.submit_many(greqs, [on_event] * len(greqs))  # atomically: they share the first step
+    assert done.wait(120)
+    together = [events[r] for r in rids]
+    assert [e.output_ids for e in together] == alone
+    # they really ran in the same forwards: fewer batched forwards than their own forward counts summed
+    batched_forwards = engine.get_stats()["num_forward_passes"] - before
+    assert batched_forwards < sum(e.meta_info["forward_passes"] for e in together)
 
 
 def test_one_forward_per_step_for_the_whole_batch(tiny_llada):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radix import InsertResult, MatchResult, NullRadixTree, PrefixCache, RadixTree
+from radix import InsertResult, MatchResult, NullRadixTree, PrefixIndex, RadixTree
 
 
 def slots(*xs: int) -> np.ndarray:
@@ -505,7 +505,7 @@ def test_pretty_lists_nodes(tree: RadixTree) -> None:
 
 def test_null_tree() -> None:
     t = NullRadixTree()
-    assert isinstance(t, PrefixCache) and isinstance(RadixTree(), PrefixCache)
+    assert isinstance(t, PrefixIndex) and isinstance(RadixTree(), PrefixIndex)
     r = t.insert([1, 2, 3], slots(4, 5, 6), depth=3)
     assert r.prefix_len == 0
     assert not r.taken.any() and len(r.taken) == 3
@@ -526,3 +526,18 @@ def test_null_tree() -> None:
         t.insert([1, 2], slots(1), depth=1)
     with pytest.raises(ValueError):
         t.lock(RadixTree().insert([1], slots(0), depth=1).handle)
+
+
+def test_peek_prefix_len_changes_nothing():
+    """The scheduler peeks at every waiting request on every step: a peek must not split nodes
+    or refresh LRU times (so it cannot change which prefix is evicted next)."""
+    t = RadixTree()
+    t.insert([1, 2, 3, 4], np.arange(4), 2)
+    t.insert([9, 9], np.arange(4, 6), 2)
+    before = (t.num_nodes(), t.pretty(), t._clock)
+    assert t.peek_prefix_len([1, 2, 7]) == 2  # partial match inside a node: no split
+    assert t.peek_prefix_len([1, 2, 3, 4, 5]) == 4
+    assert t.peek_prefix_len([5]) == 0
+    assert (t.num_nodes(), t.pretty(), t._clock) == before
+    assert t.match_prefix([1, 2, 7]).length == 2 and t.num_nodes() == before[0] + 1  # a real match splits
+    assert NullRadixTree().peek_prefix_len([1, 2]) == 0

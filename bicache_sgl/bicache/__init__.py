@@ -1,6 +1,6 @@
-"""The bicache policy: the r -> safe-depth profile, depth choice per request, and calibration."""
+"""The bicache policy: the r -> safe-depth profile and one depth policy object per mode."""
 
-from .policy import DepthChoice, choose_depth
+from .policy import DepthChoice, DepthPolicy, make_policy, request_policy
 from .profile import BicacheProfile, find_profile
 
-__all__ = ["BicacheProfile", "DepthChoice", "choose_depth", "find_profile"]
+__all__ = ["BicacheProfile", "DepthChoice", "DepthPolicy", "find_profile", "make_policy", "request_policy"]

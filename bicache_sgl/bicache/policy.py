@@ -1,16 +1,31 @@
-"""Per-request depth choice: d = min(b(r), depth held along the match), r = prefix / sequence."""
+"""The bicache decision, in one object per mode.
+
+A :class:`DepthPolicy` answers the two questions of bicache (DESIGN.md sections 4-5):
+
+- ``node_depth``: how many leading layers of prefix state new cache nodes hold;
+- ``choose(segments, matched, seq_len)``: which reused prefix length p' and depth d a request
+  uses, given its radix match. d = min(b(p'/N), min node depth up to p'), p' maximising p' x d.
+
+Modes: ``off`` (no reuse, no cache), ``naive`` (every layer: the baseline that breaks
+bidirectional models), ``fixed:N`` (N layers) and ``bicache`` (b(r) from a calibrated profile).
+Nothing outside this module branches on the mode.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..config import parse_prefix_cache_mode
 from .profile import BicacheProfile
 
 
 @dataclass(frozen=True)
 class DepthChoice:
-    matched: int  # tokens matched in the radix tree (reported as cached_tokens)
+    """What one request reuses. ``matched`` is reported as cached_tokens."""
+
+    matched: int  # tokens matched in the radix tree
     prefix: int  # tokens actually reused (p' <= matched)
     depth: int  # layers in which the reused prefix is skipped
     r: float  # prefix fraction of the reused prefix: prefix / seq_len
@@ -20,30 +35,128 @@ class DepthChoice:
         return self.prefix * self.depth
 
 
-def target_depth(kind: str, fixed: int | None, profile: BicacheProfile | None, n_layers: int, r: float) -> int:
-    if kind == "off":
-        return 0
-    if kind == "naive":
-        return n_layers
-    if kind == "fixed":
-        return min(int(fixed or 0), n_layers)
-    return profile.lookup(r) if profile is not None else 0
+NO_REUSE = DepthChoice(0, 0, 0, 0.0)
 
 
-def choose_depth(kind: str, fixed: int | None, profile: BicacheProfile | None, n_layers: int,
-                 segments: Sequence[tuple[int, int]], matched: int, seq_len: int) -> DepthChoice:
-    """Pick p' <= matched at a node boundary (or matched itself) maximising p' x depth, where
-    depth(p') = min(b(p'/N), min node depth up to p'). ``segments``: ((end_len, node_depth), ...)."""
-    best = DepthChoice(matched, 0, 0, 0.0)
-    if matched <= 0 or seq_len <= 0:
+class DepthPolicy(ABC):
+    """One bicache mode: the depth cache nodes hold and the depth each request uses."""
+
+    name: str
+    n_layers: int
+
+    @property
+    @abstractmethod
+    def node_depth(self) -> int:
+        """Layers of prefix state captured into new cache nodes."""
+
+    @property
+    def uses_cache(self) -> bool:
+        """False: no prefix index and no pool at all (``off``)."""
+        return True
+
+    @abstractmethod
+    def target_depth(self, r: float) -> int:
+        """The depth this mode allows for a request whose reused prefix is fraction ``r``."""
+
+    def choose(self, segments: Sequence[tuple[int, int]], matched: int, seq_len: int) -> DepthChoice:
+        """Pick p' <= matched at a node boundary (or ``matched`` itself) maximising p' x depth,
+        depth(p') = min(target_depth(p'/N), min node depth up to p'). ``segments``: the match's
+        ((end_len, node_depth), ...) in path order."""
+        best = DepthChoice(matched, 0, 0, 0.0)
+        if matched <= 0 or seq_len <= 0:
+            return best
+        run_min = self.n_layers
+        for end, node_depth in segments:
+            run_min = min(run_min, node_depth)
+            p = min(end, matched)
+            d = min(self.target_depth(p / seq_len), run_min)
+            gain, best_gain = p * d, best.prefix * best.depth
+            if gain > best_gain or (gain == best_gain and d > 0 and p > best.prefix):
+                best = DepthChoice(matched, p, d, p / seq_len)
+            if end >= matched:
+                break
         return best
-    run_min = n_layers
-    for end, node_depth in segments:
-        run_min = min(run_min, node_depth)
-        p = min(end, matched)
-        d = min(target_depth(kind, fixed, profile, n_layers, p / seq_len), run_min)
-        if p * d > best.prefix * best.depth or (p * d == best.prefix * best.depth and d > 0 and p > best.prefix):
-            best = DepthChoice(matched, p, d, p / seq_len)
-        if end >= matched:
-            break
-    return best
+
+    def describe(self) -> str:
+        return f"{self.name} (nodes hold {self.node_depth} of {self.n_layers} layers)"
+
+
+@dataclass(frozen=True)
+class OffPolicy(DepthPolicy):
+    """No prefix cache: every request computes everything."""
+
+    n_layers: int
+    name: str = "off"
+
+    @property
+    def node_depth(self) -> int:
+        return 0
+
+    @property
+    def uses_cache(self) -> bool:
+        return False
+
+    def target_depth(self, r: float) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class FixedPolicy(DepthPolicy):
+    """The same depth for every request (``fixed:N``; ``naive`` is N = L)."""
+
+    n_layers: int
+    depth: int
+    name: str = "fixed"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.depth:
+            raise ValueError(f"fixed depth must be >= 0, got {self.depth}")
+
+    @property
+    def node_depth(self) -> int:
+        return min(self.depth, self.n_layers)
+
+    def target_depth(self, r: float) -> int:
+        return min(self.depth, self.n_layers)
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.depth}" if self.name == "fixed" else super().describe()
+
+
+@dataclass(frozen=True)
+class ProfilePolicy(DepthPolicy):
+    """bicache: b(r) from a calibrated profile; without a profile, depth 0 (matched, not reused)."""
+
+    n_layers: int
+    profile: BicacheProfile | None
+    name: str = "bicache"
+
+    @property
+    def node_depth(self) -> int:
+        return min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
+
+    def target_depth(self, r: float) -> int:
+        return min(self.profile.lookup(r), self.n_layers) if self.profile is not None else 0
+
+
+def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None) -> DepthPolicy:
+    """``off | naive | bicache | fixed:N`` -> its policy (``profile`` is used by ``bicache``)."""
+    kind, n = parse_prefix_cache_mode(mode)
+    if kind == "off":
+        return OffPolicy(n_layers)
+    if kind == "naive":
+        return FixedPolicy(n_layers, n_layers, name="naive")
+    if kind == "fixed":
+        return FixedPolicy(n_layers, int(n or 0))
+    return ProfilePolicy(n_layers, profile)
+
+
+def request_policy(engine_policy: DepthPolicy, forced_depth: int | None, exact: bool) -> DepthPolicy:
+    """The policy one request runs under: ``exact`` requests (likelihood scoring, prefill-only)
+    reuse nothing; a request's own ``bicache_depth`` fixes its depth (still capped by what the
+    matched nodes hold); otherwise the engine's policy."""
+    if exact:
+        return OffPolicy(engine_policy.n_layers)
+    if forced_depth is not None:
+        return FixedPolicy(engine_policy.n_layers, forced_depth)
+    return engine_policy

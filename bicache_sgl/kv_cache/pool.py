@@ -19,11 +19,7 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
-
-
-def bytes_per_token(cfg: ModelConfig, depth: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return depth * (2 * cfg.kv_dim + cfg.hidden_size) * itemsize
+from .memory import prefix_bytes_per_token
 
 
 class SlotAllocator:
@@ -72,7 +68,7 @@ class PrefixPool:
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_token(self.cfg, self.depth, self.dtype)
+        return prefix_bytes_per_token(self.cfg, self.depth, self.dtype)
 
     @property
     def nbytes(self) -> int:

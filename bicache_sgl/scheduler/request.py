@@ -1,6 +1,6 @@
-"""Request objects: what callers submit (GenerateRequest), what they receive (RequestEvent), and
-the engine-side state machine of one request (Req): semi-autoregressive blocks, denoising steps,
-in-request cache refreshes, stop conditions, logprobs.
+"""The engine-side state machine of one request (Req): semi-autoregressive blocks, denoising
+steps, in-request cache refreshes, stop conditions, logprobs. What callers submit and receive
+(GenerateRequest, RequestEvent) is in ``bicache_sgl.io_struct``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from ..bicache.policy import DepthChoice
 from ..config import DecodeDefaults, SamplingParams
 from ..decoding import NEG_INF, decide, num_transfer_schedule, select_transfer
 from ..io_struct import GenerateRequest, RequestEvent
-from ..models.forward_batch import Capture, SeqKV, SeqWork
+from ..kv_cache.manager import CacheGrant
+from ..models.forward_batch import SeqKV, SeqWork
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,11 @@ class Req:
         self.x = torch.tensor(self.prompt + [mask_id] * plan.gen_len, dtype=torch.long)
         self.generator = torch.Generator().manual_seed(self.params.seed if self.params.seed is not None else seed)
         self.created = time.perf_counter()
+        self.needs_score = self.kind == "score" or (greq.return_logprob and greq.logprob_start_len >= 0)
         # set at admission
         self.kv: SeqKV | None = None
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None
-        self.choice = DepthChoice(0, 0, 0, 0.0)
-        self.handle = None
-        self.match_values = np.zeros(0, dtype=np.int64)
-        self.resume_h: torch.Tensor | None = None
-        self.capture: Capture | None = None
+        self.cache = CacheGrant()
         # decoding progress
         self.block = 0
         self.step_in_block = 0
@@ -98,12 +96,54 @@ class Req:
         self.input_logprobs: list[tuple[float | None, int, list[tuple[float, int]] | None]] | None = None
         self._pending: np.ndarray = np.zeros(0, dtype=np.int64)
         self._score_pending: tuple[np.ndarray, np.ndarray] | None = None
-        self._score_kv: SeqKV | None = None
+        self.score_kv: SeqKV | None = None
         # accounting
         self.forward_passes = 0
         self.tokens_computed = 0
         self.computed_layer_tokens = 0
         self.skipped_layer_tokens = 0
+
+    def reseed(self, seed: int) -> None:
+        """The engine's per-request seed (requests without ``sampling_params.seed``)."""
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------------------ buffers
+    @property
+    def choice(self) -> DepthChoice:
+        return self.cache.choice
+
+    @property
+    def exact(self) -> bool:
+        """Likelihood scoring and prefill-only requests reuse no prefix state (exact results)."""
+        return self.kind != "generate"
+
+    def kv_lengths(self) -> list[int]:
+        """Positions of each private K/V buffer this request needs: the sequence itself, its
+        classifier-free-guidance shadow, its likelihood probe."""
+        n = [self.seq_len if self.kind == "generate" else self.prompt_len]
+        if self.kind == "generate" and self.params.cfg_scale > 0:
+            n.append(self.seq_len)
+        if self.needs_score:
+            n.append(self.prompt_len)
+        return n
+
+    @property
+    def kv_tokens(self) -> int:
+        """Private K/V positions (all layers) this request holds while it runs: its memory cost."""
+        return sum(self.kv_lengths())
+
+    def allocate(self, alloc: Callable[[int], SeqKV]) -> None:
+        """Allocate the private K/V buffers listed by :meth:`kv_lengths`."""
+        self.kv = alloc(self.kv_lengths()[0])
+        if self.kind == "generate" and self.params.cfg_scale > 0:
+            x_un = self.x.clone()
+            x_un[:self.prompt_len] = self.mask_id
+            self.uncond = (x_un, alloc(self.seq_len))
+        if self.needs_score:
+            self.score_kv = alloc(self.prompt_len)
+
+    def free_buffers(self) -> None:
+        self.kv = self.uncond = self.score_kv = None
 
     # ---------------------------------------------------------------------------------- planning
     @property
@@ -122,7 +162,7 @@ class Req:
         works: list[SeqWork] = []
         if self.kind != "generate":
             works.append(self._prefill_work())
-            if self.kind == "score" or (self.greq.return_logprob and self.greq.logprob_start_len >= 0):
+            if self.needs_score:
                 works.append(self._score_work())
             return works
         N = self.seq_len
@@ -142,19 +182,19 @@ class Req:
         depth = self.choice.depth if refresh else 0
         skip = self.choice.prefix if refresh else 0
         works.append(SeqWork(self.kv, self.x, positions, masked - self.shift, depth=depth, skip=skip,
-                             resume_h=self.resume_h if skip else None, capture=self.capture))
+                             resume_h=self.cache.resume_h if skip else None, capture=self.cache.capture))
         if self.uncond is not None:
             x_un, kv_un = self.uncond
             x_un[self.prompt_len:] = self.x[self.prompt_len:]
             works.append(SeqWork(kv_un, x_un, positions, masked - self.shift))
-        if self.greq.return_logprob and self.greq.logprob_start_len >= 0 and self.forward_passes == 0:
+        if self.needs_score and self.forward_passes == 0:
             works.append(self._score_work())
         self._count(positions, depth, skip, n_layers)
         return works
 
     def _prefill_work(self) -> SeqWork:
         pos = np.arange(self.prompt_len, dtype=np.int64)
-        return SeqWork(self.kv, self.x, pos, np.zeros(0, dtype=np.int64), capture=self.capture)
+        return SeqWork(self.kv, self.x, pos, np.zeros(0, dtype=np.int64), capture=self.cache.capture)
 
     def _score_work(self) -> SeqWork:
         """Input likelihoods (DESIGN.md section 8): mask positions [s, n) together and read
@@ -168,8 +208,7 @@ class Req:
         x[s:n] = self.mask_id
         targets = np.arange(s, n, dtype=np.int64)
         self._score_pending = (np.arange(start, n, dtype=np.int64), targets)
-        kv = self._score_kv
-        return SeqWork(kv, x, np.arange(n, dtype=np.int64), targets - self.shift)
+        return SeqWork(self.score_kv, x, np.arange(n, dtype=np.int64), targets - self.shift)
 
     def _count(self, positions: np.ndarray, depth: int, skip: int, n_layers: int) -> None:
         self.forward_passes += 1
@@ -260,7 +299,7 @@ class Req:
             out.append((lpv, self.prompt[pos], tops))
         self.input_logprobs = out
         self._score_pending = None
-        self._score_kv = None
+        self.score_kv = None
 
     # -------------------------------------------------------------------------------- stopping
     def _check_stop(self) -> None:

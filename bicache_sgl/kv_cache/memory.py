@@ -1,0 +1,101 @@
+"""Memory sizing in one place: the shared prefix pool and the budget for requests' private K/V.
+
+Two pools (DESIGN.md section 7): the **prefix pool** holds cached prefix state (K/V of the layers
+a node holds plus the residual entering the next one) and the **request K/V** is each running
+sequence's private ``[L, N, Hkv, Dh]`` K and V. The scheduler admits requests against the request
+budget, so neither can outgrow the device.
+
+Sizing rules (all named below; flags override them):
+- CUDA: the pool gets ``mem_fraction_static`` (default ``CUDA_POOL_FRACTION``) of the memory free
+  after the weights; requests get ``CUDA_REQUEST_FRACTION`` of what is free after that.
+- CPU: the pool gets ``CPU_POOL_BYTES``; requests ``CPU_REQUEST_BYTES``.
+- The pool's token capacity is capped (``MAX_POOL_TOKENS``): the index and free list are host
+  arrays, and a pool of depth 0 stores no tensor bytes per token at all (it only indexes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.config import ModelConfig
+
+GiB = 1 << 30
+CUDA_POOL_FRACTION = 0.3
+CUDA_REQUEST_FRACTION = 0.6
+CPU_POOL_BYTES = 2 * GiB
+CPU_REQUEST_BYTES = 4 * GiB
+MIN_POOL_TOKENS = 1024
+MAX_POOL_TOKENS = {"cpu": 65536, "cuda": 1 << 21}
+MIN_REQUEST_TOKENS = 4096
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def prefix_bytes_per_token(cfg: ModelConfig, depth: int, dtype: torch.dtype) -> int:
+    """Prefix pool bytes per cached token at ``depth``: K and V per layer plus one residual per
+    layer (see kv_cache/pool.py for the layout)."""
+    return depth * (2 * cfg.kv_dim + cfg.hidden_size) * itemsize(dtype)
+
+
+def request_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Private K/V bytes per sequence position, all layers."""
+    return cfg.n_layers * 2 * cfg.kv_dim * itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How many tokens each pool holds; computed once at engine start."""
+
+    pool_tokens: int  # prefix pool capacity (cached tokens)
+    pool_bytes_per_token: int
+    request_tokens: int  # budget of private K/V positions over all running sequences
+    request_bytes_per_token: int
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_tokens * self.pool_bytes_per_token
+
+    @property
+    def request_bytes(self) -> int:
+        return self.request_tokens * self.request_bytes_per_token
+
+    def describe(self) -> str:
+        mib = 1 / (1 << 20)
+        return (f"prefix pool {self.pool_tokens} tokens ({self.pool_bytes * mib:.1f} MiB, "
+                f"{self.pool_bytes_per_token} B/token); request K/V budget {self.request_tokens} tokens "
+                f"({self.request_bytes * mib:.1f} MiB, {self.request_bytes_per_token} B/token)")
+
+
+def plan_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, node_depth: int, *,
+                max_prefix_cache_tokens: int | None = None, max_total_tokens: int | None = None,
+                mem_fraction_static: float | None = None, free_bytes: int | None = None) -> MemoryPlan:
+    """Size both pools. ``free_bytes`` (CUDA: free memory now) is read from the device when None."""
+    pool_per = prefix_bytes_per_token(cfg, node_depth, dtype)
+    req_per = request_kv_bytes_per_token(cfg, dtype)
+    cap = MAX_POOL_TOKENS["cuda" if device.type == "cuda" else "cpu"]
+    if device.type == "cuda":
+        if free_bytes is None:
+            free_bytes, _ = torch.cuda.mem_get_info(device)
+        pool_budget = int(free_bytes * (mem_fraction_static or CUDA_POOL_FRACTION))
+    else:
+        free_bytes = None
+        pool_budget = CPU_POOL_BYTES
+    if max_prefix_cache_tokens is not None:
+        pool_tokens = max_prefix_cache_tokens
+    elif pool_per == 0:
+        pool_tokens = cap  # depth 0: the index only, no tensor bytes
+    else:
+        pool_tokens = max(MIN_POOL_TOKENS, min(cap, pool_budget // pool_per))
+    if max_total_tokens is not None:
+        request_tokens = max_total_tokens
+    else:
+        if free_bytes is not None:
+            req_budget = int(max(0, free_bytes - pool_tokens * pool_per) * CUDA_REQUEST_FRACTION)
+        else:
+            req_budget = CPU_REQUEST_BYTES
+        request_tokens = max(MIN_REQUEST_TOKENS, req_budget // req_per)
+    return MemoryPlan(pool_tokens, pool_per, request_tokens, req_per)
