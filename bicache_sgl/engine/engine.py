@@ -23,7 +23,7 @@ from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..kv_cache.manager import make_cache_manager
 from ..kv_cache.memory import plan_memory
-from ..scheduler.request import DecodePlan, Req
+from ..scheduler.request import Req, RequestFactory
 from ..scheduler.scheduler import Scheduler
 from .model_runner import ModelRunner, load
 
@@ -63,6 +63,7 @@ class Engine:
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
         self.context_length = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length)
         self.profile = find_profile(self.model_path, cfg.bicache_profile, mc.n_layers)
         self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile)
         if self.policy.name == "bicache" and self.profile is None:
@@ -95,29 +96,7 @@ class Engine:
     # --------------------------------------------------------------------------------- requests
     def _prepare(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
         """Validate a request and build its state (raises ValueError naming the problem)."""
-        ids, mc = greq.input_ids, self.model_config
-        if not ids:
-            raise ValueError("the prompt is empty")
-        V = mc.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
-        plan = DecodePlan.resolve(greq.params, self.config.decode)
-        if len(ids) + plan.gen_len > self.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus generation region ({plan.gen_len} positions, "
-                             f"max_new_tokens rounded up to whole blocks) exceeds the context length "
-                             f"{self.context_length}")
-        bad = [t for t in greq.params.stop_token_ids if t >= V]  # would index past the logits
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
-        if greq.return_logprob and greq.logprob_start_len >= len(ids):
-            raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
-        if greq.top_logprobs_num < 0:
-            raise ValueError("top_logprobs_num must be >= 0")
-        if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= mc.n_layers:
-            raise ValueError(f"bicache_depth must be in [0, {mc.n_layers}]")
-        req = Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                  tokenizer=self.tokenizer, on_event=on_event, seed=0)
+        req = self.requests.build(greq, on_event)
         if not self.scheduler.fits_ever(req):
             raise ValueError(f"the request needs K/V for {req.kv_tokens} positions, more than the engine's whole "
                              f"budget of {self.scheduler.kv_budget} (--max-total-tokens)")

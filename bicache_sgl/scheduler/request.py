@@ -18,6 +18,7 @@ from ..config import DecodeDefaults, SamplingParams
 from ..decoding import NEG_INF, decide, num_transfer_schedule, select_transfer
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
+from ..models.config import ModelConfig
 from ..models.forward_batch import SeqKV, SeqWork
 
 
@@ -402,3 +403,38 @@ class Req:
     def event(self) -> RequestEvent:
         return RequestEvent(self.rid, self.text, list(self.out_ids), self.finished, self.finish_reason,
                             self.meta_info() if self.finished else {"id": self.rid}, self.error)
+
+
+class RequestFactory:
+    """Validates submitted requests against the model and builds their state (once per request)."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer, eos_ids: tuple[int, ...], decode: DecodeDefaults,
+                 context_length: int) -> None:
+        self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
+        self.decode, self.context_length = decode, context_length
+
+    def build(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
+        """Raise ValueError naming what is wrong, else the request's state."""
+        ids, mc = greq.input_ids, self.mc
+        if not ids:
+            raise ValueError("the prompt is empty")
+        V = mc.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
+        plan = DecodePlan.resolve(greq.params, self.decode)
+        if len(ids) + plan.gen_len > self.context_length:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus generation region ({plan.gen_len} positions, "
+                             f"max_new_tokens rounded up to whole blocks) exceeds the context length "
+                             f"{self.context_length}")
+        bad = [t for t in greq.params.stop_token_ids if t >= V]  # would index past the logits
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
+        if greq.return_logprob and greq.logprob_start_len >= len(ids):
+            raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
+        if greq.top_logprobs_num < 0:
+            raise ValueError("top_logprobs_num must be >= 0")
+        if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= mc.n_layers:
+            raise ValueError(f"bicache_depth must be in [0, {mc.n_layers}]")
+        return Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
+                   tokenizer=self.tokenizer, on_event=on_event, seed=0)
