@@ -158,6 +158,22 @@ class PrefixIndex(ABC):
         """Lower a node's recorded depth."""
 
     @abstractmethod
+    def set_depth(self, handle: NodeHandle, depth: int) -> None:
+        """Record the depth a node's slots now hold (raise: an upgrade; lower: a trim)."""
+
+    @abstractmethod
+    def path(self, handle: NodeHandle) -> list[NodeHandle]:
+        """Nodes from the root (excluded) down to ``handle``."""
+
+    @abstractmethod
+    def lru_nodes(self) -> list[NodeHandle]:
+        """Unlocked nodes, least recently used first (trim candidates)."""
+
+    @abstractmethod
+    def depth_histogram(self) -> dict[int, int]:
+        """Cached tokens per node depth."""
+
+    @abstractmethod
     def evictable_size(self) -> int: ...
 
     @abstractmethod
@@ -425,6 +441,39 @@ class RadixTree(PrefixIndex):
         self._layer_tokens -= len(handle.key) * (handle.depth - depth)
         handle.depth = depth
 
+    def set_depth(self, handle: NodeHandle, depth: int) -> None:
+        """Record that ``handle``'s node now holds ``depth`` layers (its slots are unchanged).
+
+        Raising is allowed on locked nodes (an upgrade only adds layers); lowering follows
+        :meth:`trim_depth` (a locked node cannot lose layers). The root is a no-op.
+        """
+        depth = _check_depth(depth)
+        self._path_to_root(handle)
+        if handle is self._root or depth == handle.depth:
+            return
+        if depth < handle.depth:
+            self.trim_depth(handle, depth)
+            return
+        self._layer_tokens += len(handle.key) * (depth - handle.depth)
+        handle.depth = depth
+
+    def path(self, handle: NodeHandle) -> list[TreeNode]:
+        """Nodes from the root (excluded) down to ``handle``; validates the handle."""
+        return self._path_to_root(handle)[::-1]
+
+    def depth_histogram(self) -> dict[int, int]:
+        """Cached tokens per node depth, e.g. ``{2: 640, 6: 128}``."""
+        hist: dict[int, int] = {}
+        for n in self._iter_nodes():
+            hist[n.depth] = hist.get(n.depth, 0) + len(n.key)
+        return dict(sorted(hist.items()))
+
+    def lru_nodes(self) -> list[TreeNode]:
+        """Unlocked nodes holding tokens, least recently used first (ties: creation order)."""
+        nodes = [n for n in self._iter_nodes() if n.lock_ref == 0]
+        nodes.sort(key=lambda n: (n.last_access, n.serial))
+        return nodes
+
     def reset(self) -> list[np.ndarray]:
         """Drop every node and return all held slots. Raises ``RuntimeError`` if any is locked."""
         if self._protected > 0:
@@ -677,6 +726,21 @@ class NullRadixTree(PrefixIndex):
         """No-op (validates arguments)."""
         _check_depth(depth)
         self._check(handle)
+
+    def set_depth(self, handle: NodeHandle, depth: int) -> None:
+        """No-op (validates arguments)."""
+        _check_depth(depth)
+        self._check(handle)
+
+    def path(self, handle: NodeHandle) -> list[NodeHandle]:
+        self._check(handle)
+        return []
+
+    def lru_nodes(self) -> list[NodeHandle]:
+        return []
+
+    def depth_histogram(self) -> dict[int, int]:
+        return {}
 
     def evictable_size(self) -> int:
         return 0

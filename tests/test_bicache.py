@@ -179,7 +179,8 @@ def test_prefix_aware_admission_computes_a_shared_prefix_once(tiny_llada):
 def test_profile_lookup_and_validation(tmp_path):
     prof = BicacheProfile(((0, 0), (30, 1), (60, 3)), 4)
     assert [prof.lookup(r) for r in (0.0, 0.29, 0.3, 0.59, 0.6, 1.0)] == [0, 0, 1, 1, 3, 3]
-    assert BicacheProfile.monotone([(10, 2), (20, 1), (30, 3)]) == [(10.0, 2), (20.0, 2), (30.0, 3)]
+    # errs safe: a noisy high bucket at low r never raises the depth at higher r (running min from high r)
+    assert BicacheProfile.monotone([(10, 2), (20, 1), (30, 3)]) == [(10.0, 1), (20.0, 1), (30.0, 3)]
     with pytest.raises(ValueError, match="non-decreasing"):
         BicacheProfile(((0, 2), (50, 1)), 4)
     with pytest.raises(ValueError, match="outside"):
@@ -205,7 +206,7 @@ def test_no_profile_means_depth_zero_with_a_warning(tiny_llada, caplog):
 def test_depth_policy_over_node_segments():
     prof = BicacheProfile(((0, 0), (50, 2), (80, 4)), 4)
     pol = make_policy("bicache", 4, prof)
-    assert isinstance(pol, ProfilePolicy) and pol.node_depth == 4
+    assert isinstance(pol, ProfilePolicy) and pol.max_node_depth == 4
     # one node of 90 tokens at depth 4 in a 100-token sequence: r = 0.9 -> b = 4
     c = pol.choose(((90, 4),), 90, 100)
     assert (c.prefix, c.depth) == (90, 4)
@@ -215,10 +216,10 @@ def test_depth_policy_over_node_segments():
     off = make_policy("off", 4)
     assert isinstance(off, OffPolicy) and not off.uses_cache and off.choose(((90, 4),), 90, 100).depth == 0
     naive = make_policy("naive", 4)
-    assert naive.node_depth == 4 and naive.choose(((90, 4),), 90, 100).depth == 4
+    assert naive.max_node_depth == 4 and naive.choose(((90, 4),), 90, 100).depth == 4
     fixed = make_policy("fixed:3", 4)
-    assert fixed.node_depth == 3 and fixed.choose(((90, 2),), 90, 100).depth == 2  # capped by the node
-    assert make_policy("bicache", 4, None).node_depth == 0  # no profile: nothing stored, nothing reused
+    assert fixed.max_node_depth == 3 and fixed.choose(((90, 2),), 90, 100).depth == 2  # capped by the node
+    assert make_policy("bicache", 4, None).max_node_depth == 0  # no profile: nothing stored, nothing reused
     # per-request overrides: exact requests reuse nothing; bicache_depth fixes the depth
     assert request_policy(pol, None, exact=True).choose(((90, 4),), 90, 100).depth == 0
     forced = request_policy(pol, 1, exact=False)

@@ -2,9 +2,11 @@
 
 A :class:`DepthPolicy` answers the two questions of bicache (DESIGN.md sections 4-5):
 
-- ``node_depth``: how many leading layers of prefix state new cache nodes hold;
+- ``target_depth(r)``: the depth b(r) a request whose reused prefix is fraction r is allowed;
+  cache nodes hold the largest b(r) of the requests that used them (kv_cache/manager.py);
 - ``choose(segments, matched, seq_len)``: which reused prefix length p' and depth d a request
   uses, given its radix match. d = min(b(p'/N), min node depth up to p'), p' maximising p' x d.
+``max_node_depth`` bounds what any node may hold (it sizes the pool).
 
 Modes: ``off`` (no reuse, no cache), ``naive`` (every layer: the baseline that breaks
 bidirectional models), ``fixed:N`` (N layers) and ``bicache`` (b(r) from a calibrated profile).
@@ -46,8 +48,8 @@ class DepthPolicy(ABC):
 
     @property
     @abstractmethod
-    def node_depth(self) -> int:
-        """Layers of prefix state captured into new cache nodes."""
+    def max_node_depth(self) -> int:
+        """The most layers of prefix state a cache node holds under this policy (sizes the pool)."""
 
     @property
     def uses_cache(self) -> bool:
@@ -78,7 +80,7 @@ class DepthPolicy(ABC):
         return best
 
     def describe(self) -> str:
-        return f"{self.name} (nodes hold {self.node_depth} of {self.n_layers} layers)"
+        return f"{self.name} (nodes hold up to {self.max_node_depth} of {self.n_layers} layers)"
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class OffPolicy(DepthPolicy):
     name: str = "off"
 
     @property
-    def node_depth(self) -> int:
+    def max_node_depth(self) -> int:
         return 0
 
     @property
@@ -113,7 +115,7 @@ class FixedPolicy(DepthPolicy):
             raise ValueError(f"fixed depth must be >= 0, got {self.depth}")
 
     @property
-    def node_depth(self) -> int:
+    def max_node_depth(self) -> int:
         return min(self.depth, self.n_layers)
 
     def target_depth(self, r: float) -> int:
@@ -132,7 +134,7 @@ class ProfilePolicy(DepthPolicy):
     name: str = "bicache"
 
     @property
-    def node_depth(self) -> int:
+    def max_node_depth(self) -> int:
         return min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
 
     def target_depth(self, r: float) -> int:

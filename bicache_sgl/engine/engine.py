@@ -70,10 +70,10 @@ class Engine:
             log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
                         "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
                         "bicache_sgl.calibrate to make one.", self.model_path)
-        self.memory = plan_memory(mc, loaded.dtype, self.device, self.policy.node_depth,
+        self.memory = plan_memory(mc, loaded.dtype, self.device, self.policy.max_node_depth,
                                   max_prefix_cache_tokens=cfg.max_prefix_cache_tokens,
                                   max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static)
-        self.cache = make_cache_manager(self.policy, self.memory.pool_tokens, mc, loaded.dtype, self.device)
+        self.cache = make_cache_manager(self.policy, self.memory, mc, loaded.dtype, self.device)
         log.info("prefix cache: %s; %s", self.policy.describe(), self.memory.describe())
         self.runner = ModelRunner(loaded, cfg.attention_backend, self.cache.pool)
         self.model = loaded.model

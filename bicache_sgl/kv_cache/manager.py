@@ -2,16 +2,33 @@
 
     admit   match ONCE (the last prompt token excluded), lock the matched path, choose the depth
             with the request's policy, copy the reused state into the request's private K/V, and
-            allocate pool slots for the request's new prompt tokens (a *capture*);
-    commit  after the request's first forward filled those slots: insert the prompt into the index;
+            reserve pool rows for what the request's first forward will write (a *capture*);
+    commit  after that forward filled the rows: bind them, insert the prompt, record node depths;
     release when the request leaves: free an uncommitted capture, unlock the path.
+
+Node depth follows use (DESIGN.md section 5). With engine policy b(.), sequence length N, reused
+prefix p (depth d) and reusable prompt length P (the prompt minus its last token):
+
+- store:   tokens the request computes in full (the unmatched rest of the prompt, and matched
+           tokens it did not reuse) are written for layers < b(P / N): the depth a repeat of this
+           prompt would be allowed;
+- upgrade: reused nodes holding fewer than b(p / N) layers get layers [node depth, b(p / N))
+           from this request's forward (its prefix positions are computed there anyway, from
+           layer d on). Those layers come from THIS request's context on top of the reused shallow
+           layers; the shallow layers stay as first written;
+- trim:    under memory pressure, the deepest layers of cold (least recently used, unlocked) nodes
+           go first, halving their depth, before whole nodes are evicted (LRU leaves).
+
+A running request never sees a node change under it: admission copies what it reuses into its
+private K/V, upgrades only add rows, and locked nodes are never trimmed or evicted.
 
 The index (``radix.PrefixIndex``) and the tensor pool (``PrefixPool``) stay separate; this class
 is the only code that touches both. :class:`NullCacheManager` has the same interface and caches
 nothing, so "cache off" is a constructor choice, not a branch elsewhere.
 
-Invariant (``check_integrity``): free slots + slots held by the index + slots of in-flight
-captures == pool capacity, with no slot in two places.
+Invariants (``check_integrity``): token slots held + free + in flight == token capacity; rows
+bound in the table + free + in flight == row capacity; every node's tokens have rows exactly for
+layers < its depth.
 """
 
 from __future__ import annotations
@@ -27,11 +44,13 @@ from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree
 
 from ..bicache.policy import NO_REUSE, DepthChoice, DepthPolicy
 from ..models.forward_batch import Capture, SeqKV
+from .memory import MemoryPlan
 from .pool import PrefixPool
 
 log = logging.getLogger(__name__)
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
+MIN_TRIM_DEPTH = 1  # trimming keeps at least this many layers; below it a node is evicted instead
 
 
 def reusable_prefix(prompt: Sequence[int]) -> Sequence[int]:
@@ -45,11 +64,12 @@ class CacheGrant:
     """What admission gave one request; owned by the request until ``release``."""
 
     choice: DepthChoice = NO_REUSE
-    handle: NodeHandle | None = None  # locked path end, None once released
+    handle: NodeHandle | None = None  # locked end of the match, None once released
     matched_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
-    capture: Capture | None = None  # slots being filled by the first forward, None once committed
-    capture_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # the capture's slots (host)
     resume_h: torch.Tensor | None = None  # [prefix, D] residual of S entering layer `depth`
+    capture: Capture | None = None  # rows the first forward writes; None once committed
+    new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
+    pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (slots, layer, rows)
 
 
 class CacheManager:
@@ -59,14 +79,13 @@ class CacheManager:
 
     def __init__(self, index: PrefixIndex, pool: PrefixPool, policy: DepthPolicy) -> None:
         self.index, self.pool, self.policy = index, pool, policy
-        self.in_flight = 0  # slots of captures not yet committed or released
+        self.in_flight_tokens = 0  # token slots of captures not yet committed or released
+        self.in_flight_rows = 0
         self.num_lookups = self.num_hits = 0
         self.matched_tokens = self.looked_up_tokens = 0
         self.evicted_tokens = 0
-
-    @property
-    def node_depth(self) -> int:
-        return self.pool.depth
+        self.upgrades = 0
+        self.trimmed_layer_tokens = 0
 
     def peek(self, prompt: Sequence[int]) -> int:
         """Cached length of a waiting request's prompt; changes nothing (scheduler ordering)."""
@@ -74,8 +93,8 @@ class CacheManager:
 
     # ------------------------------------------------------------------------------- lifecycle
     def admit(self, prompt: Sequence[int], seq_len: int, policy: DepthPolicy, kv: SeqKV | None) -> CacheGrant:
-        """Match, lock, choose the depth under ``policy``, copy the reused state into ``kv`` and
-        allocate a capture for the new prompt tokens (none if the pool cannot make room)."""
+        """Match, lock, choose the depth under ``policy`` (the request's), copy the reused state
+        into ``kv`` and reserve the capture (none if the pool cannot make room)."""
         key = reusable_prefix(prompt)
         m = self.index.match_prefix(key)
         self.num_lookups += 1
@@ -86,87 +105,166 @@ class CacheManager:
         grant = CacheGrant(policy.choose(m.segments, m.length, seq_len), m.handle, np.asarray(m.values, np.int64))
         d, p = grant.choice.depth, grant.choice.prefix
         if d > 0 and p > 0 and kv is not None:
-            # Copy, so the request never reads the pool again: eviction or a node upgrade cannot
-            # change a running request's output.
-            slots = self.pool.slots_tensor(grant.matched_slots[:p])
-            k, v = self.pool.read_kv(d, slots)
+            # Copy, so the request never reads the pool again: eviction, trims or upgrades
+            # cannot change a running request's output.
+            k, v = self.pool.read_kv(grant.matched_slots[:p], d)
             kv.k[:d, :p] = k
             kv.v[:d, :p] = v
-            if d < self.pool.cfg.n_layers:
-                grant.resume_h = self.pool.read_h(d, slots).clone()
-        new = len(prompt) - m.length
-        if new > 0:
-            slots = self._alloc(new)
-            if slots is not None:
-                grant.capture = Capture(np.arange(m.length, len(prompt), dtype=np.int64),
-                                        self.pool.slots_tensor(slots), self.pool.depth)
-                grant.capture_slots = slots
+            if d < self.pool.n_layers:
+                grant.resume_h = self.pool.read_h(grant.matched_slots[:p], d).clone()
+        self._reserve(grant, m, len(prompt), seq_len)
         return grant
 
+    def _reserve(self, grant: CacheGrant, m, prompt_len: int, seq_len: int) -> None:
+        """Plan and allocate what the first forward writes: (positions, layers) ranges."""
+        p, b = grant.choice.prefix, self.policy.target_depth
+        k_reused = b(p / seq_len) if p else 0
+        k_full = b((prompt_len - 1) / seq_len)
+        ranges: list[tuple[int, int, int, int]] = []  # (start, end, first layer, end layer)
+        start = 0
+        for end, node_depth in m.segments:
+            want = k_reused if end <= p else k_full
+            if node_depth < want:
+                ranges.append((start, end, node_depth, want))
+            start = end
+        n_new = prompt_len - m.length
+        if n_new > 0 and k_full > 0:
+            ranges.append((m.length, prompt_len, 0, k_full))
+        n_rows = sum((e - s) * (hi - lo) for s, e, lo, hi in ranges)
+        tokens_needed = n_new if n_new > 0 else 0
+        if (n_rows == 0 and tokens_needed == 0) or not self._make_room(n_rows, tokens_needed):
+            return
+        new_slots = self.pool.tokens.alloc(tokens_needed) if tokens_needed else _NO_SLOTS
+        slots = np.concatenate([grant.matched_slots, new_slots])
+        self.in_flight_tokens += tokens_needed
+        self.in_flight_rows += n_rows
+        layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        for layer in range(self.pool.n_layers):
+            pos = [np.arange(s, e, dtype=np.int64) for s, e, lo, hi in ranges if lo <= layer < hi]
+            if not pos:
+                continue
+            pos_l = np.concatenate(pos)
+            rows = self.pool.rows.alloc(len(pos_l))
+            grant.pending.append((slots[pos_l], layer, rows))
+            layers[layer] = (pos_l, self.pool.to_device(rows))
+        grant.new_slots = new_slots
+        grant.capture = Capture(layers)
+
     def commit(self, prompt: Sequence[int], grant: CacheGrant) -> None:
-        """The first forward has written the capture: insert the prompt into the index."""
+        """The first forward has written the capture: bind its rows, insert the prompt (new
+        tokens), and record every node's depth along the path from what the table now holds."""
         if grant.capture is None:
             return
-        slots, grant.capture, grant.capture_slots = grant.capture_slots, None, _NO_SLOTS
-        self.in_flight -= len(slots)
-        try:
-            values = np.concatenate([grant.matched_slots, slots])
-            # The index treats the slots it already holds (the matched range) as taken, so
-            # to_free holds only duplicates of ours and slots replaced by a depth upgrade.
-            res = self.index.insert(prompt, values, self.pool.depth)
-        except Exception:
-            log.exception("prefix cache insert failed; continuing without caching this prompt")
-            self.pool.allocator.free(slots)
+        grant.capture = None
+        pending, grant.pending = grant.pending, []
+        new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
+        self.in_flight_tokens -= len(new_slots)
+        for slots, layer, rows in pending:
+            self.in_flight_rows -= len(rows)
+            self.pool.rows.free(self.pool.bind(slots, layer, rows))  # rows a concurrent upgrade beat
+        handle, new_leaf = grant.handle, None
+        if len(new_slots):
+            try:
+                # depth 0: existing nodes are never changed by an insert; depths are set below
+                res = self.index.insert(prompt, np.concatenate([grant.matched_slots, new_slots]), 0)
+            except Exception:
+                log.exception("prefix cache insert failed; continuing without caching this prompt")
+                self.pool.free_tokens(new_slots)
+                return
+            for arr in res.to_free:  # tokens another request inserted first
+                self.pool.free_tokens(arr)
+            handle = res.handle
+            new_leaf = res.handle if res.prefix_len < len(prompt) else None
+        if handle is None:
             return
-        for arr in res.to_free:
-            self.pool.allocator.free(arr)
+        for node in self.index.path(handle):
+            held = self.pool.held_depth(node.value)
+            if held > node.depth:
+                self.upgrades += node is not new_leaf
+                self.index.set_depth(node, held)
 
     def release(self, grant: CacheGrant) -> None:
         """The request is leaving (finished, aborted or failed). Idempotent."""
         if grant.capture is not None:
-            slots, grant.capture, grant.capture_slots = grant.capture_slots, None, _NO_SLOTS
-            self.pool.allocator.free(slots)
-            self.in_flight -= len(slots)
+            grant.capture = None
+            for _, _, rows in grant.pending:
+                self.pool.rows.free(rows)
+                self.in_flight_rows -= len(rows)
+            grant.pending = []
+            self.pool.tokens.free(grant.new_slots)
+            self.in_flight_tokens -= len(grant.new_slots)
+            grant.new_slots = _NO_SLOTS
         if grant.handle is not None:
             self.index.unlock(grant.handle)
             grant.handle = None
         grant.resume_h = None
 
     # ------------------------------------------------------------------------------- capacity
-    def _alloc(self, n: int) -> np.ndarray | None:
-        a = self.pool.allocator
-        if a.num_free < n:
-            self._evict(n - a.num_free)
-        slots = a.alloc(n)
-        if slots is not None:
-            self.in_flight += n
-        return slots
+    def _make_room(self, rows: int, tokens: int) -> bool:
+        """Free rows (trimming cold nodes' deep layers first) and token slots (evicting LRU
+        leaves) until both fit; False if they cannot."""
+        pool = self.pool
+        if rows > pool.rows.capacity or tokens > pool.tokens.capacity:
+            return False
+        if pool.rows.num_free < rows:
+            self._trim(rows - pool.rows.num_free)
+        while (pool.rows.num_free < rows or pool.tokens.num_free < tokens) and self.index.evictable_size() > 0:
+            for arr in self.index.evict(1):
+                pool.free_tokens(arr)
+                self.evicted_tokens += len(arr)
+        return pool.rows.num_free >= rows and pool.tokens.num_free >= tokens
 
-    def _evict(self, n: int) -> None:
-        for arr in self.index.evict(n):
-            self.pool.allocator.free(arr)
-            self.evicted_tokens += len(arr)
+    def _trim(self, need: int) -> None:
+        """Halve the depth of cold unlocked nodes, least recently used first, until ``need`` rows
+        are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
+        freed = 0
+        while freed < need:
+            progress = False
+            for node in self.index.lru_nodes():
+                if node.depth <= MIN_TRIM_DEPTH:
+                    continue
+                new = max(MIN_TRIM_DEPTH, node.depth // 2)
+                n = self.pool.drop_layers(node.value, new)
+                self.index.set_depth(node, new)
+                freed += n
+                self.trimmed_layer_tokens += n
+                progress = True
+                if freed >= need:
+                    return
+            if not progress:
+                return
 
     def flush(self) -> int:
         """Evict everything not locked by a running request. Returns tokens freed."""
         before = self.index.total_size()
-        self._evict(before)
+        for arr in self.index.evict(before):
+            self.pool.free_tokens(arr)
+            self.evicted_tokens += len(arr)
         return before - self.index.total_size()
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict:
-        lookups = self.num_lookups
+        lookups, pool = self.num_lookups, self.pool
+        stored = self.index.total_layer_tokens()
         return {
             "prefix_cache_policy": self.policy.describe(),
-            "prefix_cache_capacity_tokens": self.pool.capacity,
+            "prefix_cache_capacity_tokens": pool.token_capacity,
+            "prefix_cache_capacity_layer_tokens": pool.row_capacity,
             "prefix_cache_used_tokens": self.index.total_size(),
+            "prefix_cache_stored_layer_tokens": stored,
+            "prefix_cache_stored_bytes": stored * pool.bytes_per_layer_token,
+            "prefix_cache_depth_histogram": {str(k): v for k, v in self.index.depth_histogram().items()},
             "prefix_cache_evictable_tokens": self.index.evictable_size(),
             "prefix_cache_protected_tokens": self.index.protected_size(),
-            "prefix_cache_free_tokens": self.pool.allocator.num_free,
-            "prefix_cache_in_flight_tokens": self.in_flight,  # free + used + in flight == capacity
-            "prefix_cache_depth": self.pool.depth,
-            "prefix_cache_bytes_per_token": self.pool.bytes_per_token,
-            "prefix_cache_bytes": self.pool.nbytes,
+            "prefix_cache_free_tokens": pool.tokens.num_free,
+            "prefix_cache_free_layer_tokens": pool.rows.num_free,
+            "prefix_cache_in_flight_tokens": self.in_flight_tokens,
+            "prefix_cache_in_flight_layer_tokens": self.in_flight_rows,
+            "prefix_cache_max_depth": self.policy.max_node_depth,
+            "prefix_cache_bytes_per_layer_token": pool.bytes_per_layer_token,
+            "prefix_cache_bytes": pool.nbytes,
+            "prefix_cache_upgrades_total": self.upgrades,
+            "prefix_cache_trimmed_layer_tokens_total": self.trimmed_layer_tokens,
             "cache_lookups": lookups,
             "cache_hit_rate": self.num_hits / lookups if lookups else 0.0,
             "cache_token_hit_rate": self.matched_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0,
@@ -175,20 +273,28 @@ class CacheManager:
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
+        pool = self.pool
         held = np.asarray(self.index.all_values(), dtype=np.int64)
-        free = self.pool.allocator.free_set()
-        assert len(np.unique(held)) == len(held), "a slot is held twice by the index"
-        assert len(np.intersect1d(held, free)) == 0, "a slot is both free and held by the index"
-        total = len(held) + len(free) + self.in_flight
-        assert total == self.pool.capacity, f"slot leak: free {len(free)} + cached {len(held)} + in-flight " \
-                                            f"{self.in_flight} != capacity {self.pool.capacity}"
+        free = pool.tokens.free_set()
+        assert len(np.unique(held)) == len(held), "a token slot is held twice by the index"
+        assert len(np.intersect1d(held, free)) == 0, "a token slot is both free and held by the index"
+        total = len(held) + len(free) + self.in_flight_tokens
+        assert total == pool.token_capacity, f"token slot leak: free {len(free)} + cached {len(held)} + " \
+                                             f"in-flight {self.in_flight_tokens} != {pool.token_capacity}"
+        bound = int((pool.table >= 0).sum())
+        assert bound == self.index.total_layer_tokens(), \
+            f"rows bound {bound} != layer-tokens the index records {self.index.total_layer_tokens()}"
+        rows_total = bound + pool.rows.num_free + self.in_flight_rows
+        assert rows_total == pool.row_capacity, f"row leak: bound {bound} + free {pool.rows.num_free} + in-flight " \
+                                                f"{self.in_flight_rows} != {pool.row_capacity}"
+        for node in self.index.lru_nodes():
+            assert pool.held_depth(node.value) == node.depth, f"{node!r}: table holds {pool.held_depth(node.value)}"
 
 
 class NullCacheManager:
     """Caching off: the same interface, nothing matched, nothing stored."""
 
     enabled = False
-    node_depth = 0
     pool = None
 
     def __init__(self, policy: DepthPolicy) -> None:
@@ -211,22 +317,23 @@ class NullCacheManager:
         return 0
 
     def stats(self) -> dict:
-        return {"prefix_cache_policy": self.policy.describe(), "prefix_cache_capacity_tokens": 0,
-                "prefix_cache_used_tokens": 0, "prefix_cache_evictable_tokens": 0,
-                "prefix_cache_protected_tokens": 0, "prefix_cache_free_tokens": 0,
-                "prefix_cache_in_flight_tokens": 0, "prefix_cache_depth": 0, "prefix_cache_bytes_per_token": 0,
-                "prefix_cache_bytes": 0, "cache_lookups": 0, "cache_hit_rate": 0.0, "cache_token_hit_rate": 0.0,
-                "evicted_tokens": 0}
+        zero = ("capacity_tokens", "capacity_layer_tokens", "used_tokens", "stored_layer_tokens", "stored_bytes",
+                "evictable_tokens", "protected_tokens", "free_tokens", "free_layer_tokens", "in_flight_tokens",
+                "in_flight_layer_tokens", "max_depth", "bytes_per_layer_token", "bytes", "upgrades_total",
+                "trimmed_layer_tokens_total")
+        return {"prefix_cache_policy": self.policy.describe(), **{f"prefix_cache_{k}": 0 for k in zero},
+                "prefix_cache_depth_histogram": {}, "cache_lookups": 0, "cache_hit_rate": 0.0,
+                "cache_token_hit_rate": 0.0, "evicted_tokens": 0}
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
 
 
-def make_cache_manager(policy: DepthPolicy, pool_tokens: int, model_config, dtype: torch.dtype,
+def make_cache_manager(policy: DepthPolicy, memory: MemoryPlan, model_config, dtype: torch.dtype,
                        device: torch.device) -> CacheManager | NullCacheManager:
-    """The cache for ``policy``: none at all for ``off``, else a radix index over a pool whose
-    nodes hold ``policy.node_depth`` layers."""
+    """The cache for ``policy``: none at all for ``off``, else a radix index over a pool sized by
+    ``memory``."""
     if not policy.uses_cache:
         return NullCacheManager(policy)
-    pool = PrefixPool(model_config, policy.node_depth, pool_tokens, dtype, device)
+    pool = PrefixPool(model_config, memory.pool_tokens, memory.pool_rows, dtype, device)
     return CacheManager(RadixTree(), pool, policy)

@@ -1,16 +1,19 @@
-"""The prefix pool: shared, depth-limited prefix state, one slot per cached token.
+"""The prefix pool: shared prefix state stored per (cached token, layer), so a token costs memory
+in proportion to the depth its node holds.
 
-Layout (chosen per DESIGN.md section 5): for a pool of depth D, each slot holds
-  k[l], v[l]  for layers l < D          -> [D, capacity, Hkv, Dh]
-  h[l - 1]    residual entering layer l, for l = 1..D -> [D, capacity, hidden]
-so a request can skip the slot's token in layers < d and resume it at layer d for any d <= D
-without re-projecting anything. Bytes per token = D * (2 * kv_dim + hidden) * itemsize:
-LLaDA-8B bf16 (kv_dim 4096, hidden 4096): 24 KiB per layer, 768 KiB per token at D = 32;
-Dream-7B bf16 (kv_dim 512, hidden 3584): 9 KiB per layer, 252 KiB per token at D = 28.
-(Storing only h and re-projecting K/V would cost 8 / 7 KiB per layer instead, for extra
-projection work on every hit; for GQA models K/V alone is the cheaper half.)
+Layout (DESIGN.md section 5). A *row* holds one token's state at one layer l:
+  K[row], V[row]  K/V of layer l                      -> [rows, Hkv, Dh]
+  H[row]          residual leaving layer l (= entering layer l + 1)   -> [rows, hidden]
+A cached token has a *token slot* (what the radix index stores); ``table[slot, l]`` is its row at
+layer l, or -1. A node of depth k holds rows for layers 0..k-1 of each of its tokens, so a request
+can skip those tokens in layers < d and resume them at layer d (reading H of layer d - 1) for
+any d <= k. Bytes per layer-token = (2 * kv_dim + hidden) * itemsize:
+LLaDA-8B bf16 (kv_dim 4096, hidden 4096): 24 KiB; Dream-7B bf16 (kv_dim 512, hidden 3584): 9 KiB.
+(Storing only the residual and re-projecting K/V would cost 8 / 7 KiB per layer-token, for extra
+projection work on every hit; for GQA models K/V alone is the cheaper half.) The residual of
+the last layer is never read (a request never resumes after the last layer).
 
-The allocator is a free list of slot indices (numpy, no tensors in the bookkeeping).
+Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
-from .memory import prefix_bytes_per_token
+from .memory import layer_token_bytes
 
 
 class SlotAllocator:
-    """Free list over ``capacity`` slots. Pure bookkeeping: tested without tensors."""
+    """Free list over ``capacity`` indices. Pure bookkeeping: tested without tensors."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # pop from the end: low slots first
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # pop from the end: low indices first
         self._n_free = capacity
 
     @property
@@ -42,7 +45,7 @@ class SlotAllocator:
         return out
 
     def free(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64).ravel()
         if slots.size == 0:
             return
         if self._n_free + slots.size > self.capacity:
@@ -55,41 +58,91 @@ class SlotAllocator:
 
 
 class PrefixPool:
-    """Tensor storage for the prefix cache (see module docstring for the layout)."""
+    """Token slots (``tokens``), per-layer rows (``rows``) and the tensors behind the rows."""
 
-    def __init__(self, cfg: ModelConfig, depth: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.cfg, self.depth, self.capacity = cfg, depth, capacity
-        self.dtype, self.device = dtype, device
-        self.allocator = SlotAllocator(capacity)
-        shape_kv = (depth, capacity, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape_kv, dtype=dtype, device=device)
-        self.v = torch.zeros(shape_kv, dtype=dtype, device=device)
-        self.h = torch.zeros((depth, capacity, cfg.hidden_size), dtype=dtype, device=device)
+    def __init__(self, cfg: ModelConfig, token_capacity: int, row_capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.n_layers = cfg.n_layers
+        self.tokens = SlotAllocator(token_capacity)
+        self.rows = SlotAllocator(row_capacity)
+        self.table = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)
+        self.k = torch.zeros((row_capacity, cfg.n_kv_heads, cfg.head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.h = torch.zeros((row_capacity, cfg.hidden_size), dtype=dtype, device=device)
 
     @property
-    def bytes_per_token(self) -> int:
-        return prefix_bytes_per_token(self.cfg, self.depth, self.dtype)
+    def token_capacity(self) -> int:
+        return self.tokens.capacity
+
+    @property
+    def row_capacity(self) -> int:
+        return self.rows.capacity
+
+    @property
+    def bytes_per_layer_token(self) -> int:
+        return layer_token_bytes(self.cfg, self.dtype)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.h))
 
-    def slots_tensor(self, slots: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
+    def to_device(self, idx: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(self.device)
 
-    # Captures from a forward (called by the model while it runs).
-    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+    def held_depth(self, slots: np.ndarray) -> int:
+        """Leading layers for which every one of ``slots`` has a row."""
+        if len(slots) == 0:
+            return self.n_layers
+        have = self.table[slots] >= 0  # [n, L]
+        full = have.all(axis=0)
+        return int(np.argmin(full)) if not full.all() else self.n_layers
 
-    def write_h(self, layer: int, slots: torch.Tensor, h: torch.Tensor) -> None:
-        """h: residual stream entering ``layer`` (1 <= layer <= depth)."""
-        self.h[layer - 1].index_copy_(0, slots, h.to(self.dtype))
+    def rows_of(self, slots: np.ndarray, depth: int) -> np.ndarray:
+        """[depth, n] rows of layers < depth (all must exist)."""
+        rows = self.table[slots, :depth].T
+        assert (rows >= 0).all(), "reading a layer the node does not hold"
+        return rows
 
-    # Reads at admission (copied into the request's private buffers, so later eviction or
-    # depth upgrades never change a running request).
-    def read_kv(self, depth: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:depth, slots], self.v[:depth, slots]
+    # Reads at admission (copied into the request's private buffers, so later eviction, trims or
+    # upgrades never change a running request).
+    def read_kv(self, slots: np.ndarray, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [depth, n, Hkv, Dh] of layers < depth."""
+        rows = self.to_device(self.rows_of(slots, depth))
+        return self.k[rows], self.v[rows]
 
-    def read_h(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.h[layer - 1, slots]
+    def read_h(self, slots: np.ndarray, layer: int) -> torch.Tensor:
+        """Residual entering ``layer`` (1 <= layer < L) [n, hidden]."""
+        rows = self.to_device(self.table[slots, layer - 1])
+        return self.h[rows]
+
+    # Writes by the model while it runs (captures).
+    def write_kv(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.index_copy_(0, rows, k.to(self.dtype))
+        self.v.index_copy_(0, rows, v.to(self.dtype))
+
+    def write_h(self, rows: torch.Tensor, h: torch.Tensor) -> None:
+        self.h.index_copy_(0, rows, h.to(self.dtype))
+
+    # Bookkeeping (host only).
+    def bind(self, slots: np.ndarray, layer: int, rows: np.ndarray) -> np.ndarray:
+        """Record ``rows`` as ``slots``' layer ``layer``; returns the rows NOT bound because the
+        slot already had that layer (a concurrent upgrade won): the caller frees them."""
+        cur = self.table[slots, layer]
+        new = cur < 0
+        self.table[slots[new], layer] = rows[new]
+        return rows[~new]
+
+    def drop_layers(self, slots: np.ndarray, from_layer: int) -> int:
+        """Free the rows of layers >= ``from_layer`` of ``slots``; returns rows freed."""
+        part = self.table[slots, from_layer:]
+        rows = part[part >= 0]
+        self.rows.free(rows)
+        self.table[slots, from_layer:] = -1
+        return int(rows.size)
+
+    def free_tokens(self, slots: np.ndarray) -> int:
+        """Free token slots and every row they hold; returns rows freed."""
+        n = self.drop_layers(slots, 0)
+        self.tokens.free(slots)
+        return n

@@ -42,12 +42,14 @@ class SeqKV:
 
 @dataclass
 class Capture:
-    """Write this sequence's state for ``positions`` into prefix-pool ``slots``:
-    K/V of layers < depth and the residual stream entering layers 1..depth."""
+    """Write this sequence's prefix state into prefix-pool rows while it runs.
 
-    positions: np.ndarray  # int64, subset of the sequence's computed positions, never in S
-    slots: torch.Tensor  # long [len(positions)] on the pool's device
-    depth: int
+    ``layers[l] = (positions, rows)``: the K/V of layer l at ``positions`` go to pool rows
+    ``rows`` (long, on the pool's device), and so does the residual leaving layer l (entering
+    l + 1; never for the last layer). Every position must be computed by the sequence at layer l
+    (a reused S position only from the sequence's depth on)."""
+
+    layers: dict[int, tuple[np.ndarray, torch.Tensor]]
 
 
 @dataclass
@@ -86,6 +88,8 @@ class ForwardBatch:
     row_pos: torch.Tensor | None = None  # [T] position per full-layout row
     logit_rows: np.ndarray | None = None  # full-layout rows needing logits, in sequence order
     logit_indptr: list[int] = field(default_factory=list)
+    _offsets: list[int] = field(default_factory=list)
+    _row_cache: dict = field(default_factory=dict)
 
     def build(self, n_layers: int) -> "ForwardBatch":
         dev = self.device
@@ -113,6 +117,7 @@ class ForwardBatch:
         self.logit_rows = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
         self.logit_indptr = logit_indptr
         T = offsets[-1]
+        self._offsets = offsets
         starts = sorted({0} | {d for d in depths if d > 0 and d < n_layers})
         prev_rows = None
         for start in starts:
@@ -136,6 +141,17 @@ class ForwardBatch:
             self.segments.append(seg)
             prev_rows = rows
         return self
+
+    def segment_rows(self, seq: int, positions: np.ndarray, seg: Segment) -> torch.Tensor:
+        """Indices into ``seg``'s active rows of sequence ``seq``'s ``positions`` (all active)."""
+        key = (seq, id(positions), seg.start_layer)
+        hit = self._row_cache.get(key)
+        if hit is None:
+            s = self.seqs[seq]
+            full = self._offsets[seq] + np.searchsorted(s.positions, positions)
+            hit = torch.from_numpy(np.searchsorted(seg.rows, full)).to(self.device)
+            self._row_cache[key] = hit
+        return hit
 
     @property
     def num_rows(self) -> int:

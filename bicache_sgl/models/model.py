@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.base import AttentionBackend
-from ..attention.torch_backend import sdpa_one
+from ..attention.torch_backend import sdpa_batched
 from .forward_batch import ForwardBatch
 from .config import ModelConfig
 
@@ -81,8 +81,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DiffusionLM(nn.Module):
-    """LLaDA / Dream transformer with a packed, cache-aware forward (``forward_batch``) and a plain
-    dense one (``forward_dense``, used for calibration and checks)."""
+    """LLaDA / Dream transformer with a packed, cache-aware forward (``forward_batch``, serving) and a
+    plain dense one (``forward``: batched and differentiable, used for training; ``forward_dense``:
+    one sequence without autograd, used for calibration and checks)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -141,23 +142,38 @@ class DiffusionLM(nn.Module):
         return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
 
     # ---- dense forward ------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward_dense(self, ids: torch.Tensor, return_states: bool = False):
-        """ids [N] -> logits [N, V] (unshifted: row i is the output at position i).
-        With return_states also returns per-layer (h_in [N, D], k [N, Hkv, Dh], v) lists."""
-        self.fuse()
-        rope = self.rope_for(torch.arange(ids.shape[0], device=ids.device))
+    def forward(self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None, return_states: bool = False):
+        """ids [B, N] -> fp32 logits [B, N, V] (unshifted: row i is the output at position i), every
+        position attending to every key that ``attn_mask`` ([B, 1, 1, N] bool, True = attend; None:
+        all) allows. Plain and differentiable: it uses the separate projections and never fuses, so
+        training runs through it. With return_states also returns per-layer (h_in [B, N, D],
+        k [B, N, Hkv, Dh], v) lists."""
+        cfg = self.cfg
+        B, N = ids.shape
+        rope = self.rope_for(torch.arange(N, device=ids.device))
         h = self.embed(ids)
         states = []
         for layer in self.layers:
-            q, k, v = self._qkv(layer, h, rope)
+            x = layer.attn_norm(h)
+            q = self.apply_rope(layer.q_proj(x).view(B, N, cfg.n_heads, cfg.head_dim), rope)
+            k = self.apply_rope(layer.k_proj(x).view(B, N, cfg.n_kv_heads, cfg.head_dim), rope)
+            v = layer.v_proj(x).view(B, N, cfg.n_kv_heads, cfg.head_dim)
             if return_states:
                 states.append((h, k, v))
-            a = sdpa_one(q, k, v).reshape(h.shape[0], -1)
-            h = h + layer.o_proj(a)
-            h = h + layer.mlp(h)
+            h = h + layer.o_proj(sdpa_batched(q, k, v, attn_mask).reshape(B, N, -1))
+            x = layer.ffn_norm(h)
+            h = h + layer.down_proj(F.silu(layer.gate_proj(x)) * layer.up_proj(x))
         logits = self.lm_logits(h)
         return (logits, states) if return_states else logits
+
+    @torch.no_grad()
+    def forward_dense(self, ids: torch.Tensor, return_states: bool = False):
+        """``forward`` for one sequence without autograd: ids [N] -> logits [N, V]; with
+        return_states also per-layer (h_in [N, D], k [N, Hkv, Dh], v) lists."""
+        logits, states = self.forward(ids[None], return_states=True)
+        if not return_states:
+            return logits[0]
+        return logits[0], [(h[0], k[0], v[0]) for h, k, v in states]
 
     # ---- packed, cache-aware forward ----------------------------------------------------------
     @torch.no_grad()
@@ -174,7 +190,6 @@ class DiffusionLM(nn.Module):
         self.fuse()
         rope = self.rope_for(fb.row_pos[rows_t])
         captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None and pool is not None]
-        cap_rows = self._capture_rows(fb, captures)
         for li, layer in enumerate(self.layers):
             if next_seg is not None and next_seg.start_layer == li:
                 new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
@@ -184,11 +199,10 @@ class DiffusionLM(nn.Module):
                 next_seg = next(seg_iter, None)
                 rows_t = torch.from_numpy(seg.rows).to(fb.device)
                 rope = self.rope_for(fb.row_pos[rows_t])
-                cap_rows = self._capture_rows(fb, captures, seg)
-            if li >= 1:
-                for (i, c), r in zip(captures, cap_rows):
-                    if li <= c.depth:
-                        pool.write_h(li, c.slots, h[r])
+            for i, c in captures:  # residual leaving layer li - 1
+                if li - 1 in c.layers:
+                    pos, prow = c.layers[li - 1]
+                    pool.write_h(prow, h[fb.segment_rows(i, pos, seg)])
             q, k, v = self._qkv(layer, h, rope)
             keys, vals = [], []
             for i, s in enumerate(fb.seqs):
@@ -197,9 +211,11 @@ class DiffusionLM(nn.Module):
                 s.kv.v[li].index_copy_(0, seg.seq_positions[i], v[a:b])
                 keys.append(s.kv.k[li])
                 vals.append(s.kv.v[li])
-            for (i, c), r in zip(captures, cap_rows):
-                if li < c.depth:
-                    pool.write_kv(li, c.slots, k[r], v[r])
+            for i, c in captures:
+                if li in c.layers:
+                    pos, prow = c.layers[li]
+                    r = fb.segment_rows(i, pos, seg)
+                    pool.write_kv(prow, k[r], v[r])
             if li == L - 1:
                 # The last layer's outputs matter only where logits are read: every other row
                 # needed just its K/V (written above), so attention/MLP run on logit rows only.
@@ -215,15 +231,3 @@ class DiffusionLM(nn.Module):
             h = h + layer.o_proj(a_out)
             h = h + layer.mlp(h)
         return self.lm_logits(h)
-
-    @staticmethod
-    def _capture_rows(fb: ForwardBatch, captures, seg=None) -> list[torch.Tensor]:
-        seg = seg or fb.segments[0]
-        out = []
-        offs = np.cumsum([0] + [len(s.positions) for s in fb.seqs])
-        for i, c in captures:
-            s = fb.seqs[i]
-            full = offs[i] + np.searchsorted(s.positions, c.positions)
-            out.append(torch.from_numpy(np.searchsorted(seg.rows, full)).to(fb.device))
-        return out
-
