@@ -130,12 +130,15 @@ def test_eviction_never_changes_a_running_request(tiny_llada):
         time.sleep(0.01)
     assert rid == result["ev"].rid
     assert result["ev"].output_ids == ref["output_ids"]
-    assert eng.cache.stats()["evicted_tokens"] > 0
+    st = eng.cache.stats()
+    assert st["evicted_tokens"] > 0 and st["prefix_cache_trimmed_layer_tokens_total"] > 0
     eng.cache.check_integrity()
     assert eng.flush_cache()
     eng.cache.check_integrity()
     st = eng.cache.stats()
-    assert st["prefix_cache_free_tokens"] == st["prefix_cache_capacity_tokens"] == 400
+    # 400 tokens at depth 2 = 800 layer-tokens; token slots for every row at depth 1
+    assert st["prefix_cache_free_layer_tokens"] == st["prefix_cache_capacity_layer_tokens"] == 800
+    assert st["prefix_cache_free_tokens"] == st["prefix_cache_capacity_tokens"] == 800
     eng.shutdown()
 
 

@@ -99,8 +99,10 @@ def plan_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
         rows = min(pool_budget // row_bytes, cap * max_depth)
     # token slots for every row at depth 1 (trimmed nodes keep tokens, drop rows): rows, not
     # rows / max_depth, so trimming frees room for more tokens
-    if max_depth == 0:
-        tokens = max_prefix_cache_tokens if max_prefix_cache_tokens is not None else cap
+    if max_prefix_cache_tokens is not None:
+        tokens = max(rows, max_prefix_cache_tokens)
+    elif max_depth == 0:
+        tokens = cap
     else:
         tokens = min(cap, max(rows, MIN_POOL_TOKENS))
     if max_total_tokens is not None:
