@@ -225,6 +225,8 @@ class EngineConfig:
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     bicache_profile: str | None = None
+    bicache_audit_rate: float = 0.02  # fraction of reusing requests whose first forward is re-run without reuse
+    bicache_audit_min_agreement: float = 0.9  # top-1 agreement below which the audit lowers a bucket
     decode: DecodeDefaults = field(default_factory=DecodeDefaults)
     random_seed: int = 0
     chat_template: str | None = None
@@ -238,6 +240,9 @@ class EngineConfig:
         parse_prefix_cache_mode(self.prefix_cache)
         _check(self.max_prefix_cache_tokens is None or self.max_prefix_cache_tokens >= 0,
                "max_prefix_cache_tokens must be >= 0")
+        _check(0 <= self.bicache_audit_rate <= 1, f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate}")
+        _check(0 <= self.bicache_audit_min_agreement <= 1,
+               f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement}")
         _check(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens must be >= 1")
         _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                "mem_fraction_static must be in (0, 1)")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..config import parse_prefix_cache_mode
+from .audit import DepthAudit
 from .profile import BicacheProfile
 
 
@@ -45,6 +46,7 @@ class DepthPolicy(ABC):
 
     name: str
     n_layers: int
+    audit: DepthAudit | None = None  # only the profile policy is audited
 
     @property
     @abstractmethod
@@ -131,6 +133,7 @@ class ProfilePolicy(DepthPolicy):
 
     n_layers: int
     profile: BicacheProfile | None
+    audit: DepthAudit | None = None  # online audit: may cap buckets below the profile
     name: str = "bicache"
 
     @property
@@ -138,11 +141,17 @@ class ProfilePolicy(DepthPolicy):
         return min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
 
     def target_depth(self, r: float) -> int:
-        return min(self.profile.lookup(r), self.n_layers) if self.profile is not None else 0
+        if self.profile is None:
+            return 0
+        b = min(self.profile.lookup(r), self.n_layers)
+        cap = self.audit.cap(r) if self.audit is not None else None
+        return b if cap is None else min(b, cap)
 
 
-def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None) -> DepthPolicy:
-    """``off | naive | bicache | fixed:N`` -> its policy (``profile`` is used by ``bicache``)."""
+def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None, *, audit_rate: float = 0.0,
+                audit_min_agreement: float = 0.9, seed: int = 0) -> DepthPolicy:
+    """``off | naive | bicache | fixed:N`` -> its policy (``profile`` and the audit are used by
+    ``bicache``; fixed depths are experiments and are not audited)."""
     kind, n = parse_prefix_cache_mode(mode)
     if kind == "off":
         return OffPolicy(n_layers)
@@ -150,7 +159,9 @@ def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None)
         return FixedPolicy(n_layers, n_layers, name="naive")
     if kind == "fixed":
         return FixedPolicy(n_layers, int(n or 0))
-    return ProfilePolicy(n_layers, profile)
+    audit = DepthAudit(profile, audit_rate, audit_min_agreement, seed) if profile is not None and audit_rate > 0 \
+        else None
+    return ProfilePolicy(n_layers, profile, audit)
 
 
 def request_policy(engine_policy: DepthPolicy, forced_depth: int | None, exact: bool) -> DepthPolicy:

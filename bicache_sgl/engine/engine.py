@@ -65,7 +65,9 @@ class Engine:
         self.context_length = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
         self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length)
         self.profile = find_profile(self.model_path, cfg.bicache_profile, mc.n_layers)
-        self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile)
+        self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile, audit_rate=cfg.bicache_audit_rate,
+                                  audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.random_seed)
+        self.audit = self.policy.audit
         if self.policy.name == "bicache" and self.profile is None:
             log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
                         "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
@@ -225,6 +227,9 @@ class Engine:
                 log.exception("request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
                 continue
+            if req.audit_pair is not None:
+                self.audit.record(req.choice.r, req.choice.depth, *req.audit_pair)
+                req.audit_pair = None
             if block_done and not req.finished:
                 self._emit(req)
         self._retire_finished()
@@ -263,6 +268,8 @@ class Engine:
                 req.allocate(self.runner.alloc_kv)
                 policy = request_policy(self.policy, req.greq.bicache_depth, exact=req.exact)
                 req.cache = self.cache.admit(req.prompt, req.seq_len, policy, req.kv)
+                if self.audit is not None and req.choice.depth > 0 and policy is self.policy and self.audit.sample():
+                    req.audit_kv = self.runner.alloc_kv(req.seq_len)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
@@ -363,6 +370,7 @@ class Engine:
             "request_kv_used_tokens": self.scheduler.kv_in_use,
             "request_kv_bytes_per_token": self.memory.request_bytes_per_token,
             **self.cache.stats(),
+            **(self.audit.stats() if self.audit is not None else {"bicache_audit_rate": 0.0}),
         }
 
     def __enter__(self) -> "Engine":

@@ -81,6 +81,9 @@ class Req:
         self.kv: SeqKV | None = None
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None
         self.cache = CacheGrant()
+        # online audit: a no-reuse shadow of the first forward (transient, not in kv_lengths)
+        self.audit_kv: SeqKV | None = None
+        self.audit_pair: tuple[torch.Tensor, torch.Tensor] | None = None  # (reused, exact) logits
         # decoding progress
         self.block = 0
         self.step_in_block = 0
@@ -144,7 +147,7 @@ class Req:
             self.score_kv = alloc(self.prompt_len)
 
     def free_buffers(self) -> None:
-        self.kv = self.uncond = self.score_kv = None
+        self.kv = self.uncond = self.score_kv = self.audit_kv = None
 
     # ---------------------------------------------------------------------------------- planning
     @property
@@ -190,6 +193,8 @@ class Req:
             works.append(SeqWork(kv_un, x_un, positions, masked - self.shift))
         if self.needs_score and self.forward_passes == 0:
             works.append(self._score_work())
+        if self.audit_kv is not None:  # first forward only: the same positions without reuse
+            works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift))
         self._count(positions, depth, skip, n_layers)
         return works
 
@@ -230,6 +235,9 @@ class Req:
             self.final_len = 0
             self._finish({"type": "length", "length": 0})
             return True
+        if self.audit_kv is not None:
+            self.audit_pair, logits = (logits[0], logits[-1]), logits[:-1]
+            self.audit_kv = None
         lg = logits[0]
         k = 1
         if self.uncond is not None:
