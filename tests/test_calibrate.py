@@ -1,16 +1,23 @@
-"""Calibration (python -m bicache_sgl.calibrate) on tiny random checkpoints."""
+"""Calibration (python -m bicache_sgl.calibrate, package bicache_sgl.calibration) on tiny random checkpoints."""
 
+import ast
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from bicache_sgl import calibrate as cal
 from bicache_sgl.bicache.profile import BicacheProfile
+from bicache_sgl.calibration import cli, data, measure
+from bicache_sgl.calibration.data import Sample, Task
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-WORDS = "the model reads a long shared prefix of few shot examples then answers one question".split()
+WORDS = ["the", "model", "reads", "a", "long", "shared", "prefix", "of", "few", "shot", "examples", "then",
+         "answers", "one", "question"]
+PKG = Path(__file__).resolve().parent.parent / "bicache_sgl"
 
 
 def _text(rng, n_words):
@@ -51,25 +58,32 @@ def _check_outputs(out, png, n_layers):
     return prof, json.loads(out.read_text())
 
 
+def _safe_at(d, r):
+    """What the safe table must hold at bucket r: the smallest raw depth at or above r."""
+    return min(b for f, b in zip(d["fractions"], d["depth_raw"]) if b is not None and f >= r)
+
+
 def test_kv_cosine_on_prompts(tiny_llada, prompts_file, tmp_path, capsys):
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
-    rc = cal.main(["--model-path", tiny_llada, "--data", str(prompts_file), "--out", str(out), "--plot", str(png),
+    rc = cli.main(["--model-path", tiny_llada, "--data", str(prompts_file), "--out", str(out), "--plot", str(png),
                    "--fractions", "20,50,80", "--gen-length", "16", "--block-length", "8", "--no-progress"])
     assert rc == 0
     prof, d = _check_outputs(out, png, 4)
     assert prof.criterion == "kv-cosine" and prof.threshold == 0.97
+    assert d["cached_context"] == "first_request"  # the default: what the runtime stores
     assert d["samples_per_fraction"] == [2, 2, 2]
     for row_k, row_v, row in zip(d["similarity_k"], d["similarity_v"], d["similarity"]):
         # layer-0 K/V of S depend only on S's tokens and positions: exactly equal in both contexts
         assert row_k[0] == 1.0 and row_v[0] == 1.0 and row[0] == 1.0
         assert len(row) == 4 and all(-1.0 <= x <= 1.0 for x in row)
-    # the chosen depths are what the similarity matrix says (layers 0..b all >= threshold)
+    # the chosen depths are what the similarity matrix says (layers 0..b all >= threshold), and the
+    # table never exceeds a bucket measured at or above r
     for r, raw, row in zip(d["fractions"], d["depth_raw"], d["similarity"]):
-        assert raw == cal.depth_from_similarity(row, 0.97)
-        assert prof.lookup(r / 100) >= raw
+        assert raw == measure.depth_from_similarity(row, 0.97)
+        assert prof.lookup(r / 100) == _safe_at(d, r) <= raw
     assert d["agreement"] is None
     text = capsys.readouterr().out
-    assert "| r (%) | samples |" in text and str(out) in text
+    assert "| r (%) | samples |" in text and str(out) in text and "cached context first_request" in text
 
     # the runtime accepts the profile
     from bicache_sgl import Engine
@@ -80,22 +94,87 @@ def test_kv_cosine_on_prompts(tiny_llada, prompts_file, tmp_path, capsys):
         eng.shutdown()
 
 
+def test_cached_context_changes_what_is_measured(tiny_llada, prompts_file, tmp_path):
+    """prefix_only and first_request measure different cached states of the same S; a single
+    sample cannot provide another request's question, and says so."""
+    args = ["--model-path", tiny_llada, "--data", str(prompts_file), "--fractions", "50", "--gen-length", "8",
+            "--block-length", "8", "--no-progress", "--plot", "none"]
+    res = {}
+    for ctx in ("prefix_only", "first_request"):
+        out = tmp_path / f"{ctx}.json"
+        assert cli.main([*args, "--out", str(out), "--cached-context", ctx]) == 0
+        res[ctx] = json.loads(out.read_text())
+        assert res[ctx]["cached_context"] == ctx and res[ctx]["samples_per_fraction"] == [2]
+    a, b = res["prefix_only"]["similarity"][0], res["first_request"]["similarity"][0]
+    assert a[0] == b[0] == 1.0
+    assert all(x != y for x, y in zip(a[1:], b[1:]))  # a different forward of S from layer 1 on
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": "a single prompt is not enough for this"}) + "\n")
+    with pytest.raises(SystemExit, match="first_request needs"):
+        cli.main(["--model-path", tiny_llada, "--data", str(one), "--out", str(tmp_path / "x.json"),
+                  "--plot", "none", "--no-progress"])
+
+
+def test_meter_contexts(tiny_llada):
+    """The meter slices S out of the right forwards: S + the target's own question + its MASK region
+    as the cached context reproduces the in-context state exactly; another question does not."""
+    from bicache_sgl.models.loader import load_model
+    model, cfg = load_model(tiny_llada)
+    rng = random.Random(3)
+    samples = [Sample(0, "prompt", [rng.randrange(3, 256) for _ in range(40)]) for _ in range(2)]
+    meter = measure.SimilarityMeter(model, cfg.mask_token_id, torch.device("cpu"))
+    t = Task(0, 0, 20, 40, 8)
+    own = samples[0].ids[20:40]
+    assert all(x == 1.0 for part in meter.measure(samples[0], t, own) for x in part)
+    other = data.first_request_rest(samples, t)
+    assert other == samples[1].ids[-20:] and other != own
+    sk, sv, sh = meter.measure(samples[0], t, other)
+    assert sk[0] == sv[0] == sh[0] == 1.0 and sh[1] < 1.0 and sk[1] < 1.0
+    sk2, _, _ = meter.measure(samples[0], t, None)
+    assert sk2[0] == 1.0 and sk2[1] != sk[1]
+
+
+def test_first_request_rest_planning():
+    pr = [Sample(1, "prompt", list(range(10, 40))), Sample(2, "prompt", list(range(50, 62))),
+          Sample(3, "prompt", list(range(70, 95)))]
+    t = Task(0, 0, 10, 30, 8)  # needs 20 tokens after S: sample 1 is too short, sample 2 fits
+    assert data.first_request_rest(pr, t) == list(range(75, 95))  # the other prompt's last 20 tokens
+    t = Task(1, 0, 4, 12, 8)  # needs 8: the next sample (2) gives its last 8
+    assert data.first_request_rest(pr, t) == list(range(87, 95))
+    # prefer a question that leaves the target right after S (first token differs) over a nearer one
+    div = [Sample(1, "prompt", [1, 2, 3, 4, 5]), Sample(2, "prompt", [9, 3, 4, 6]), Sample(3, "prompt", [9, 7, 8, 9])]
+    assert data.first_request_rest(div, Task(0, 0, 2, 5, 8)) == [7, 8, 9]
+    div[2] = Sample(3, "prompt", [9, 3, 8, 9])  # none diverges at once: the first that differs at all
+    assert data.first_request_rest(div, Task(0, 0, 2, 5, 8)) == [3, 4, 6]
+    same = [Sample(1, "prompt", [5, 6, 7, 8]), Sample(2, "prompt", [9, 6, 7, 8])]
+    assert data.first_request_rest(same, Task(0, 0, 1, 4, 8)) is None  # the only other question is the same
+    assert data.first_request_rest(pr[:1], Task(0, 0, 10, 30, 8)) is None  # no other sample
+    pairs = [Sample(1, "pair", list(range(30)), prefix_len=10), Sample(2, "pair", list(range(100, 125)), prefix_len=5)]
+    # a pair contributes the start of its suffix, as the planner uses a pair's own suffix
+    assert data.first_request_rest(pairs, Task(0, 0, 10, 22, 8)) == list(range(105, 117))
+    assert data.first_request_rest(pairs, Task(1, 0, 5, 25, 8)) == list(range(10, 30))
+
+
 def test_agreement_on_pairs(tiny_dream, pairs_file, tmp_path):
-    out, png = tmp_path / "p.json", tmp_path / "p.png"
-    rc = cal.main(["--model-path", tiny_dream, "--data", str(pairs_file), "--out", str(out), "--plot", str(png),
-                   "--criterion", "agreement", "--agreement", "0.5", "--fractions", "50,70",
-                   "--gen-length", "8", "--block-length", "8", "--no-progress"])
-    assert rc == 0
-    prof, d = _check_outputs(out, png, 4)
-    assert prof.criterion == "agreement" and prof.threshold == 0.5
-    assert d["samples_per_fraction"] == [2, 2]
-    for agr, sim, raw in zip(d["agreement"], d["similarity"], d["depth_raw"]):
-        assert len(agr) == 5  # depths 0..L
-        assert agr[0] == 1.0  # depth 0 is bit-for-bit cache-off
-        assert raw == cal.depth_from_agreement(agr, 0.5)
-        assert sim[0] == 1.0
-    # pairs: S is the prefix; the requested fraction is reached by the suffix length
-    assert all(abs(m - r / 100) < 0.02 for m, r in zip(d["mean_prefix_fraction"], d["fractions"]))
+    for ctx in ("first_request", "prefix_only"):
+        out, png = tmp_path / f"{ctx}.json", tmp_path / f"{ctx}.png"
+        rc = cli.main(["--model-path", tiny_dream, "--data", str(pairs_file), "--out", str(out), "--plot", str(png),
+                       "--criterion", "agreement", "--agreement", "0.5", "--fractions", "50,70",
+                       "--gen-length", "8", "--block-length", "8", "--no-progress", "--cached-context", ctx])
+        assert rc == 0
+        prof, d = _check_outputs(out, png, 4)
+        assert prof.criterion == "agreement" and prof.threshold == 0.5 and d["cached_context"] == ctx
+        assert d["samples_per_fraction"] == [2, 2]
+        for agr, sim, raw in zip(d["agreement"], d["similarity"], d["depth_raw"]):
+            assert len(agr) == 5  # depths 0..L
+            assert agr[0] == 1.0  # depth 0 is bit-for-bit cache-off
+            assert raw == measure.depth_from_agreement(agr, 0.5)
+            assert all(a >= 0.5 for a in agr[:raw + 1])  # every depth up to b passes
+            assert sim[0] == 1.0
+        # pairs: S is the prefix; the requested fraction is reached by the suffix length
+        assert all(abs(m - r / 100) < 0.02 for m, r in zip(d["mean_prefix_fraction"], d["fractions"]))
+        for r in d["fractions"]:
+            assert prof.lookup(r / 100) == _safe_at(d, r)
 
 
 def test_bad_data_lines_name_the_line(tiny_llada, tmp_path):
@@ -111,58 +190,114 @@ def test_bad_data_lines_name_the_line(tiny_llada, tmp_path):
         f = tmp_path / f"bad{i}.jsonl"
         f.write_text(content)
         with pytest.raises(SystemExit) as e:
-            cal.main(["--model-path", tiny_llada, "--data", str(f), "--out", str(tmp_path / "x.json"),
+            cli.main(["--model-path", tiny_llada, "--data", str(f), "--out", str(tmp_path / "x.json"),
                       "--plot", "none", "--no-progress"])
         assert str(f) in str(e.value) and msg in str(e.value), (content, str(e.value))
     with pytest.raises(SystemExit, match="does not exist"):
-        cal.main(["--model-path", tiny_llada, "--data", str(tmp_path / "missing.jsonl"),
+        cli.main(["--model-path", tiny_llada, "--data", str(tmp_path / "missing.jsonl"),
                   "--out", str(tmp_path / "x.json"), "--plot", "none"])
     assert not (tmp_path / "x.json").exists()
 
 
 def test_help_and_argument_errors(capsys):
     with pytest.raises(SystemExit) as e:
-        cal.main(["--help"])
+        cli.main(["--help"])
     assert e.value.code == 0
     h = capsys.readouterr().out
-    for flag in ("--criterion", "--threshold", "--agreement", "--fractions", "--gen-length", "--plot"):
+    for flag in ("--criterion", "--threshold", "--agreement", "--fractions", "--gen-length", "--plot",
+                 "--cached-context"):
         assert flag in h
     with pytest.raises(SystemExit):
-        cal.main(["--data", "x", "--out", "y", "--fractions", "0,150"])
+        cli.main(["--data", "x", "--out", "y", "--fractions", "0,150"])
+    with pytest.raises(SystemExit):
+        cli.main(["--data", "x", "--out", "y", "--cached-context", "elsewhere"])
+
+
+def test_module_entry_point_is_the_shim():
+    """``python -m bicache_sgl.calibrate`` still runs, and the names scripts import from it remain."""
+    from bicache_sgl import calibrate as shim
+    assert shim.main is cli.main and shim.kv_cosine_profile is measure.kv_cosine_profile
+    assert shim.Sample is Sample
+    p = subprocess.run([sys.executable, "-m", "bicache_sgl.calibrate", "--help"], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert p.returncode == 0 and "--cached-context" in p.stdout
+
+
+def test_layering_bicache_never_imports_calibration_or_engine():
+    for f in sorted((PKG / "bicache").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for m in mods:
+                assert not any(x in m for x in ("calibrat", "engine", "scheduler")), (f.name, m)
 
 
 def test_decision_rules_and_planning():
     sim = [1.0, 0.99, 0.98, 0.5, 0.99]
-    assert cal.depth_from_similarity(sim, 0.97, "leading") == 3
-    assert cal.depth_from_similarity(sim, 0.97) == 2  # resume is the default
-    assert cal.depth_from_similarity([1.0, 0.99], 0.97, "resume") == 2  # every layer passes: depth L
-    assert cal.depth_from_agreement([1.0, 0.8, 0.95, 0.3], 0.9) == 2  # the largest passing depth
-    assert cal.token_agreement([1, 2, 3], [1, 2, 4]) == pytest.approx(2 / 3)
-    assert cal.token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
-    assert cal.token_agreement([], []) == 1.0
-    assert cal.gen_candidates(20, 8) == [24, 16, 8]
+    assert measure.depth_from_similarity(sim, 0.97, "leading") == 3
+    assert measure.depth_from_similarity(sim, 0.97) == 2  # resume is the default
+    assert measure.depth_from_similarity([1.0, 0.99], 0.97, "resume") == 2  # every layer passes: depth L
+    assert measure.token_agreement([1, 2, 3], [1, 2, 4]) == pytest.approx(2 / 3)
+    assert measure.token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+    assert measure.token_agreement([], []) == 1.0
+    assert data.gen_candidates(20, 8) == [24, 16, 8]
 
-    prompt = cal.Sample(1, "prompt", list(range(100)))
-    t = cal.plan_task(prompt, 0, 0, 50, [32], 4096)
+    prompt = Sample(1, "prompt", list(range(100)))
+    t = data.plan_task(prompt, 0, 0, 50, [32], 4096)
     assert (t.s_len, t.prompt_len, t.gen_len) == (66, 100, 32) and abs(t.r - 0.5) < 0.01
-    assert cal.plan_task(prompt, 0, 0, 90, [32], 4096) is None  # S would leave the prompt
-    assert cal.plan_task(prompt, 0, 0, 90, [32], 120) is None  # longer than the context
+    assert data.plan_task(prompt, 0, 0, 90, [32], 4096) is None  # S would leave the prompt
+    assert data.plan_task(prompt, 0, 0, 90, [32], 120) is None  # longer than the context
 
-    pair = cal.Sample(1, "pair", list(range(100)), prefix_len=40)
-    t = cal.plan_task(pair, 0, 0, 50, [16, 8], 4096)
+    pair = Sample(1, "pair", list(range(100)), prefix_len=40)
+    t = data.plan_task(pair, 0, 0, 50, [16, 8], 4096)
     assert (t.s_len, t.prompt_len, t.gen_len) == (40, 64, 16)
-    t = cal.plan_task(pair, 0, 0, 80, [16, 8], 4096)  # needs a smaller generation region
+    t = data.plan_task(pair, 0, 0, 80, [16, 8], 4096)  # needs a smaller generation region
     assert (t.s_len, t.prompt_len, t.gen_len) == (40, 42, 8)
-    assert cal.plan_task(pair, 0, 0, 20, [16, 8], 4096) is None  # suffix too short to reach 20%
+    assert data.plan_task(pair, 0, 0, 20, [16, 8], 4096) is None  # suffix too short to reach 20%
+
+
+def test_agreement_requires_every_smaller_depth():
+    # depth 2 agrees, but depth 1 does not: a passing depth above a failing one is noise, not safety
+    assert measure.depth_from_agreement([1.0, 0.8, 0.95, 0.3], 0.9) == 0
+    assert measure.depth_from_agreement([1.0, 0.95, 0.92, 0.5, 1.0], 0.9) == 2
+    assert measure.depth_from_agreement([1.0, 1.0, 1.0], 0.9) == 2  # every depth passes: L
+    assert measure.depth_from_agreement([1.0], 0.9) == 0
+
+
+def test_noisy_low_r_bucket_does_not_raise_higher_buckets():
+    # r=10% measured 5 (a few sink-like tokens), every higher bucket far less: the old running max
+    # gave 5 everywhere; the safe table keeps each r at or below every bucket measured above it
+    assert BicacheProfile.monotone([(10, 5), (20, 1), (30, 2)]) == [(10.0, 1), (20.0, 1), (30.0, 2)]
+    assert measure.safe_table([10, 20, 30, 40], [5, 1, None, 3]) == [(0.0, 0), (10.0, 1), (20.0, 1), (40.0, 3)]
+    # already non-decreasing: unchanged (the largest such table)
+    assert BicacheProfile.monotone([(0, 0), (30, 1), (60, 3)]) == [(0.0, 0), (30.0, 1), (60.0, 3)]
+    # a low bucket at high r lowers every r below it
+    assert BicacheProfile.monotone([(10, 2), (50, 4), (90, 1)]) == [(10.0, 1), (50.0, 1), (90.0, 1)]
+    tbl = measure.safe_table([10, 20, 30, 40, 50], [6, 2, 7, 3, 4])
+    for i, (_r, b) in enumerate(tbl[1:]):
+        assert b <= min(x for x in [6, 2, 7, 3, 4][i:])  # never above a bucket at or above r
+    assert [b for _, b in tbl] == [0, 2, 2, 3, 3, 4]
+    BicacheProfile(tuple(tbl), 8)  # a valid profile
+
+
+def test_shipped_profile_json_still_loads():
+    prof = BicacheProfile.load(PKG / "assets" / "default_model" / "bicache_profile.json")
+    assert prof.n_layers == 8 and prof.table[0] == (0.0, 0) and "similarity" in prof.extra
 
 
 def test_kv_cosine_profile_helper(tiny_llada):
     from bicache_sgl.models.loader import load_model
     model, cfg = load_model(tiny_llada)
     rng = random.Random(2)
-    samples = [cal.Sample(0, "prompt", [rng.randrange(256) for _ in range(60)]) for _ in range(2)]
-    prof, sims = cal.kv_cosine_profile(model, cfg, samples, fractions=(25, 50, 75), gen_length=8, block_length=8,
-                                       threshold=0.97)
-    assert prof.table[0] == (0.0, 0) and [r for r, _ in prof.table] == [0.0, 25.0, 50.0, 75.0]
-    assert all(row[0] == 1.0 for row in sims)
-    assert prof.lookup(0.5) == max(cal.depth_from_similarity(row, 0.97) for row in sims[:2])
+    samples = [Sample(0, "prompt", [rng.randrange(256) for _ in range(60)]) for _ in range(2)]
+    for ctx in ("first_request", "prefix_only"):
+        prof, sims = measure.kv_cosine_profile(model, cfg, samples, fractions=(25, 50, 75), gen_length=8,
+                                               block_length=8, threshold=0.97, cached_context=ctx)
+        assert prof.table[0] == (0.0, 0) and [r for r, _ in prof.table] == [0.0, 25.0, 50.0, 75.0]
+        assert all(row[0] == 1.0 for row in sims) and prof.extra["cached_context"] == ctx
+        raw = [measure.depth_from_similarity(row, 0.97) for row in sims]
+        assert prof.lookup(0.5) == min(raw[1:])

@@ -6,11 +6,15 @@ JSON shape::
      "table": [[0, 0], [30, 2], [50, 5], [70, 9], [90, 14]]}
 
 Lookup takes the entry with the largest r at or below the request's r (0 below the first entry).
-The table is kept non-decreasing in b: a larger shared fraction never gets a smaller depth.
+The table is non-decreasing in b (a larger shared fraction never gets a smaller depth), and
+calibration builds it on the safe side (``BicacheProfile.monotone``): the depth at r never
+exceeds a depth measured at any r' >= r. Calibration lives in ``bicache_sgl.calibration``; this
+module imports nothing above it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -41,7 +45,7 @@ class BicacheProfile:
             if not 0 <= b <= self.n_layers:
                 raise ValueError(f"bicache profile: depth {b} at r={r} is outside [0, {self.n_layers}]")
         bs = [b for _, b in self.table]
-        if any(b2 < b1 for b1, b2 in zip(bs, bs[1:])):
+        if any(b2 < b1 for b1, b2 in itertools.pairwise(bs)):
             raise ValueError("bicache profile: depths must be non-decreasing in r")
 
     @property
@@ -61,12 +65,15 @@ class BicacheProfile:
 
     @staticmethod
     def monotone(table: list[tuple[float, int]]) -> list[tuple[float, int]]:
-        """Running max so the table is non-decreasing (what calibration writes)."""
-        out, best = [], 0
-        for r, b in sorted(table):
-            best = max(best, int(b))
-            out.append((float(r), best))
-        return out
+        """The largest non-decreasing table that never exceeds a measured depth at or above r: a
+        running min from the highest r down (what calibration writes). One noisy, too-high bucket
+        at a low r therefore never raises the depth at higher r; a low bucket lowers every r below
+        it instead."""
+        out, low = [], None
+        for r, b in sorted(table, reverse=True):
+            low = int(b) if low is None else min(low, int(b))
+            out.append((float(r), low))
+        return out[::-1]
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_layers": self.n_layers, "criterion": self.criterion,
@@ -76,7 +83,7 @@ class BicacheProfile:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "BicacheProfile":
+    def load(cls, path: str | Path) -> BicacheProfile:
         try:
             d = json.loads(Path(path).read_text())
             table = tuple((float(r), int(b)) for r, b in d["table"])

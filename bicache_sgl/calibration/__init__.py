@@ -1,0 +1,60 @@
+"""Calibration: build a bicache profile (prefix fraction r -> safe depth b) for a model from a prompt set.
+
+    python -m bicache_sgl.calibrate --model-path M --data prompts.jsonl --out bicache_profile.json
+
+For every sample and every prefix-fraction bucket r, the sequence is ``prompt tokens + G'
+generation positions`` (all MASK) and the shared prefix S is its first r * N tokens. Two states
+of S are compared layer by layer:
+
+- cached (``--cached-context``): ``first_request`` (default) = S inside another request's own
+  forward (S + a different question of the data set + its MASK region), which is what the runtime
+  stores when the request that first computed S inserts it; ``prefix_only`` = S alone (what an
+  explicit ``cache_prefix`` request, ``max_new_tokens: 0``, stores);
+- in context: the target request's whole sequence through the model, sliced to S.
+
+Criteria: ``kv-cosine`` (per-layer K/V cosine against --threshold) and ``agreement`` (greedy
+decoding through the real Engine at every depth 0..L against cache-off). Both err safe: a depth
+passes only when every smaller depth passes, and the table at r never exceeds a bucket measured at
+or above r. See docs/calibration.md.
+
+Layering: this package sits above the engine (the agreement meter drives one); ``bicache_sgl.bicache``
+(profile, policy) sits below and never imports it.
+
+Modules: ``data`` (jsonl records, tokens, planning of (sample, bucket) tasks and of the first
+request's context), ``measure`` (the meters and the depth rules), ``cli`` (arguments, the run, the
+JSON and the summary), ``plot`` (the PNG).
+"""
+
+from .data import (
+                   CACHED_CONTEXTS,
+                   DEFAULT_CACHED_CONTEXT,
+                   DEFAULT_FRACTIONS,
+                   DataError,
+                   Record,
+                   Sample,
+                   Task,
+                   first_request_rest,
+                   gen_candidates,
+                   plan_task,
+                   plan_tasks,
+                   read_data,
+                   tokenize,
+)
+from .measure import (
+                   DEPTH_RULES,
+                   AgreementMeter,
+                   SimilarityMeter,
+                   depth_from_agreement,
+                   depth_from_similarity,
+                   kv_cosine_profile,
+                   safe_table,
+                   token_agreement,
+                   token_cosine,
+)
+
+__all__ = [
+    "CACHED_CONTEXTS", "DEFAULT_CACHED_CONTEXT", "DEFAULT_FRACTIONS", "DEPTH_RULES", "AgreementMeter", "DataError",
+    "Record", "Sample", "SimilarityMeter", "Task", "depth_from_agreement", "depth_from_similarity",
+    "first_request_rest", "gen_candidates", "kv_cosine_profile", "plan_task", "plan_tasks", "read_data",
+    "safe_table", "token_agreement", "token_cosine", "tokenize",
+]

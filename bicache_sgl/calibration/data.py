@@ -1,0 +1,211 @@
+"""Calibration data: prompt records from jsonl, their tokens, and the (sample, bucket) tasks.
+
+Pure Python (no torch, no engine): what is measured is decided here, how it is measured is in
+``measure``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("bicache_sgl.calibrate")
+
+DEFAULT_FRACTIONS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
+# Where the cached prefix state comes from (see docs/calibration.md):
+#   first_request: S computed inside another request's own context (S + a different question of the
+#                  data set + its MASK generation region): what the runtime stores when the first
+#                  request that computed S inserts it into the prefix cache;
+#   prefix_only:   S alone through the model: what an explicit cache_prefix request stores.
+CACHED_CONTEXTS = ("first_request", "prefix_only")
+DEFAULT_CACHED_CONTEXT = "first_request"
+
+
+class DataError(ValueError):
+    """The calibration data file is unusable; the message names the file and line."""
+
+
+@dataclass
+class Record:
+    line: int
+    kind: str  # "prompt" | "pair"
+    text: str = ""
+    prefix: str = ""
+    suffix: str = ""
+
+
+@dataclass
+class Sample:
+    line: int
+    kind: str
+    ids: list[int]  # prompt tokens (prompts) or prefix + suffix tokens (pairs)
+    prefix_len: int = 0  # pairs: |S| (tokens shared by prefix and prefix + suffix)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One (sample, bucket) measurement."""
+
+    sample: int
+    bucket: int
+    s_len: int  # |S|
+    prompt_len: int  # tokens of the request's prompt (S + the rest of the prompt)
+    gen_len: int  # generation positions (whole blocks)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def r(self) -> float:
+        return self.s_len / self.seq_len
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def read_data(path: str | Path) -> list[Record]:
+    """Parse the jsonl file; raise DataError naming the first bad line."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"data file {path} does not exist")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text: {e}") from e
+    out = []
+    for n, raw in enumerate(lines, start=1):
+        if raw.strip():
+            out.append(_parse_record(raw, n, f"{path} line {n}"))
+    if not out:
+        raise DataError(f"{path} holds no samples (one JSON object per line)")
+    return out
+
+
+def _parse_record(raw: str, n: int, where: str) -> Record:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "prefix" in obj or "suffix" in obj:
+        pre, suf = obj.get("prefix"), obj.get("suffix")
+        if not isinstance(pre, str) or not isinstance(suf, str):
+            raise DataError(f"{where}: a prefix/suffix pair needs both \"prefix\" and \"suffix\" as strings")
+        if not pre or not suf:
+            raise DataError(f"{where}: \"prefix\" and \"suffix\" must be non-empty")
+        return Record(n, "pair", prefix=pre, suffix=suf)
+    key = "prompt" if "prompt" in obj else "text" if "text" in obj else None
+    if key is None:
+        raise DataError(f"{where}: expected {{\"prompt\": ...}}, {{\"text\": ...}} or "
+                        f"{{\"prefix\": ..., \"suffix\": ...}}; got keys {sorted(obj)}")
+    if not isinstance(obj[key], str) or not obj[key]:
+        raise DataError(f"{where}: \"{key}\" must be a non-empty string")
+    return Record(n, "prompt", text=obj[key])
+
+
+def tokenize(records: Sequence[Record], encode, max_samples: int | None) -> list[Sample]:
+    """Token ids per record. For a pair, |S| = the tokens that encode(prefix) and
+    encode(prefix + suffix) share (a merge across the boundary is not part of the prefix)."""
+    out = []
+    for rec in records:
+        if max_samples is not None and len(out) >= max_samples:
+            break
+        if rec.kind == "prompt":
+            ids = list(encode(rec.text))
+            if len(ids) < 2:
+                log.warning("data line %d: prompt has %d token(s), too short for a shared prefix; skipped",
+                            rec.line, len(ids))
+                continue
+            out.append(Sample(rec.line, "prompt", ids))
+        else:
+            full = list(encode(rec.prefix + rec.suffix))
+            p = common_prefix_len(list(encode(rec.prefix)), full)
+            if p < 1 or len(full) <= p:
+                log.warning("data line %d: prefix and suffix do not tokenize into a non-empty prefix plus "
+                            "a non-empty rest; skipped", rec.line)
+                continue
+            out.append(Sample(rec.line, "pair", full, p))
+    return out
+
+
+def gen_candidates(gen_length: int, block_length: int) -> list[int]:
+    """Generation-region sizes to try, largest first: the full region (max_new_tokens rounded up
+    to whole blocks, as the engine does), then one block less, ... down to one block."""
+    g = -(-gen_length // block_length) * block_length
+    return list(range(g, 0, -block_length))
+
+
+def plan_task(sample: Sample, si: int, bi: int, r_pct: float, gens: Sequence[int], max_len: int) -> Task | None:
+    """The sequence that puts this sample at prefix fraction r, or None if it cannot."""
+    r = r_pct / 100.0
+    for g in gens:
+        if sample.kind == "prompt":
+            P = len(sample.ids)
+            s = round(r * (P + g))
+            # S stays inside the prompt and leaves its last token (always recomputed by the runtime)
+            if 1 <= s <= P - 1 and P + g <= max_len:
+                return Task(si, bi, s, P, g)
+        else:
+            p = sample.prefix_len
+            prompt_len = round(p / r) - g
+            if p + 1 <= prompt_len <= len(sample.ids) and prompt_len + g <= max_len:
+                return Task(si, bi, p, prompt_len, g)
+    return None
+
+
+def plan_tasks(samples: Sequence[Sample], fractions: Sequence[float], gens: Sequence[int],
+               max_len: int) -> list[Task]:
+    """Every (sample, bucket) that can be measured, sample by sample."""
+    out = []
+    for si, s in enumerate(samples):
+        for bi, r in enumerate(fractions):
+            t = plan_task(s, si, bi, r, gens, max_len)
+            if t is not None:
+                out.append(t)
+    return out
+
+
+def _question_of(sample: Sample, n: int) -> list[int] | None:
+    """``n`` tokens of ``sample`` that play the part of "the rest of a prompt after S", taken the
+    way the planner takes them from the sample itself: a prompt's last n tokens (its question end),
+    a pair's first n suffix tokens. None if the sample is too short."""
+    if sample.kind == "prompt":
+        return list(sample.ids[-n:]) if len(sample.ids) >= n else None
+    p = sample.prefix_len
+    return list(sample.ids[p:p + n]) if len(sample.ids) - p >= n else None
+
+
+def first_request_rest(samples: Sequence[Sample], task: Task) -> list[int] | None:
+    """The prompt tokens after S of the *first* request that computed S, for the ``first_request``
+    cached context: as many tokens as the target request has after S (so that request's sequence
+    has the same length and the same r), taken from another sample of the data set, the next one
+    (cyclically) that is long enough and differs from the target's own rest.
+
+    Preferred: a rest whose first token differs from the target's, since a request that reuses
+    exactly S from a node is one whose prompt leaves the node's first request right after S (had
+    they shared more, it would match more). Without such a sample, the first differing one (the two
+    questions then share a few leading tokens, which the runtime would reuse too). None if no
+    other sample fits."""
+    n = task.prompt_len - task.s_len
+    own = samples[task.sample].ids[task.s_len:task.prompt_len]
+    k = len(samples)
+    fallback = None
+    for j in range(1, k):
+        cand = _question_of(samples[(task.sample + j) % k], n)
+        if cand is None or cand == own:
+            continue
+        if cand[0] != own[0]:
+            return cand
+        if fallback is None:
+            fallback = cand
+    return fallback

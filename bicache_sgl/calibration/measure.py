@@ -1,0 +1,230 @@
+"""Measurement: the K/V-cosine meter, the end-to-end agreement meter and the depth rules.
+
+Both meters compare a *cached* state of the shared prefix S with the state S has inside the
+target request's own forward. Where the cached state comes from is ``context``:
+
+- ``None`` (``prefix_only``): S alone through the model, as an explicit ``cache_prefix`` request
+  fills the prefix cache;
+- a token list (``first_request``): the prompt tokens after S of the request that first computed
+  S (``data.first_request_rest``). The cached state is S sliced from the forward of S + those
+  tokens + that request's MASK generation region: what the runtime stores when a request inserts
+  its prompt into the prefix cache after its first forward.
+
+The depth rules err safe: a depth passes only when every smaller depth passes too, and the
+r -> b table never exceeds a measured bucket at or above r (``BicacheProfile.monotone``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from ..bicache.profile import BicacheProfile
+from .data import (
+    DEFAULT_CACHED_CONTEXT,
+    DEFAULT_FRACTIONS,
+    Sample,
+    Task,
+    common_prefix_len,
+    first_request_rest,
+    gen_candidates,
+    plan_tasks,
+)
+
+log = logging.getLogger("bicache_sgl.calibrate")
+
+DEPTH_RULES = ("leading", "resume")
+
+
+def token_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over tokens of the cosine similarity of rows (trailing dims flattened), in float64.
+    Identical rows give exactly 1.0."""
+    a = a.reshape(a.shape[0], -1).double()
+    b = b.reshape(b.shape[0], -1).double()
+    dot = (a * b).sum(-1)
+    den = torch.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+    cos = torch.where(den > 0, dot / den.clamp_min(1e-300), torch.ones_like(dot))
+    return float(cos.mean())
+
+
+class SimilarityMeter:
+    """K / V / h similarity per layer between the cached state of S and its in-context state."""
+
+    def __init__(self, model, mask_id: int, device) -> None:
+        self.model, self.mask_id, self.device = model, mask_id, device
+        self._full_key = None
+        self._full_states = None
+
+    def _states(self, ids: list[int]):
+        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.model.forward_dense(x, return_states=True)[1]
+
+    @torch.no_grad()
+    def measure(self, sample: Sample, task: Task,
+                context: Sequence[int] | None = None) -> tuple[list[float], list[float], list[float]]:
+        """Per-layer (K, V, h) similarity of S. ``context``: see the module docstring."""
+        key = (task.sample, task.prompt_len, task.gen_len)
+        if key != self._full_key:  # prompts: one full forward serves every bucket of the sample
+            self._full_states = self._states(sample.ids[:task.prompt_len] + [self.mask_id] * task.gen_len)
+            self._full_key = key
+        S = task.s_len
+        s_ids = list(sample.ids[:S])
+        if context is None:
+            cached = self._states(s_ids)
+        else:
+            cached = self._states(s_ids + list(context) + [self.mask_id] * task.gen_len)
+        sk, sv, sh = [], [], []
+        for (h_c, k_c, v_c), (h_f, k_f, v_f) in zip(cached, self._full_states):
+            sk.append(token_cosine(k_c[:S], k_f[:S]))
+            sv.append(token_cosine(v_c[:S], v_f[:S]))
+            sh.append(token_cosine(h_c[:S], h_f[:S]))
+        return sk, sv, sh
+
+
+def token_agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    """Fraction of positions holding the same token, over the longer output (outputs stop at
+    EOS, so a shorter output counts its missing positions as disagreements); 1.0 if both empty."""
+    n = max(len(a), len(b))
+    if n == 0:
+        return 1.0
+    return sum(1 for x, y in zip(a, b) if x == y) / n
+
+
+class AgreementMeter:
+    """End-to-end: the same request at every depth 0..L through a ``naive`` Engine (its prefix
+    cache holds all L layers) whose cache holds S from a prefix-only request or from the first
+    request of ``context``."""
+
+    def __init__(self, engine, gen_length: int) -> None:
+        self.engine = engine
+        self.L = engine.model_config.n_layers
+        self.gen_length = gen_length
+        # All L+1 requests share their whole prompt: admit them in one step (no prefix-aware
+        # deferral), so every one of them matches exactly S and nothing a sibling inserted.
+        engine.scheduler.prefix_aware = False
+
+    def _run(self, greqs) -> list:
+        results: list = [None] * len(greqs)
+        done = threading.Semaphore(0)
+
+        def make_cb(i):
+            def cb(ev):
+                if ev.finished:
+                    results[i] = ev
+                    done.release()
+            return cb
+
+        self.engine.submit_many(greqs, [make_cb(i) for i in range(len(greqs))])
+        for _ in greqs:
+            done.acquire()
+        for ev in results:
+            if ev.error:
+                raise RuntimeError(f"calibration request failed: {ev.error}")
+        return results
+
+    def measure(self, sample: Sample, task: Task, sampling: dict,
+                context: Sequence[int] | None = None) -> tuple[list[float], list[list[int]]]:
+        from ..config import SamplingParams
+        from ..io_struct import GenerateRequest
+        eng = self.engine
+        if not eng.flush_cache():
+            raise RuntimeError("could not flush the prefix cache")
+        params = SamplingParams.from_dict({**sampling, "max_new_tokens": min(self.gen_length, task.gen_len),
+                                           "temperature": 0.0})
+        s_ids = list(sample.ids[:task.s_len])
+        prompt = list(sample.ids[:task.prompt_len])
+        if context is None:
+            self._run([GenerateRequest(s_ids, SamplingParams(max_new_tokens=0))])
+            expect = task.s_len
+        else:
+            # The first request inserts its whole prompt, computed in its own context; the target
+            # (whose last prompt token is always recomputed) matches S plus any leading tokens
+            # the two questions share.
+            self._run([GenerateRequest(s_ids + list(context), params)])
+            expect = task.s_len + min(common_prefix_len(context, prompt[task.s_len:]), len(prompt) - task.s_len - 1)
+        evs = self._run([GenerateRequest(prompt, params, bicache_depth=d) for d in range(self.L + 1)])
+        for d, ev in enumerate(evs):
+            m = ev.meta_info
+            if m.get("bicache_depth") != d or (d > 0 and m.get("reused_prefix_tokens") != expect):
+                raise RuntimeError(
+                    f"calibration request at depth {d} reused {m.get('reused_prefix_tokens')} prefix tokens at depth "
+                    f"{m.get('bicache_depth')}; expected {expect} at depth {d} (is the prefix cache large enough?)")
+        outs = [list(ev.output_ids) for ev in evs]
+        return [token_agreement(outs[0], o) for o in outs], outs
+
+
+# ---------------------------------------------------------------------------------- decisions
+def depth_from_similarity(sim: Sequence[float], threshold: float, rule: str = "resume") -> int:
+    """``leading``: number of leading layers with sim >= threshold. ``resume``: the largest d with
+    layers 0..d all >= threshold (layer d's K/V of S come from the cached residual stream), L if
+    every layer passes."""
+    L = len(sim)
+    c = 0
+    while c < L and sim[c] >= threshold:
+        c += 1
+    if rule == "leading" or c == L:
+        return c
+    return max(0, c - 1)
+
+
+def depth_from_agreement(agr: Sequence[float], min_agreement: float) -> int:
+    """The largest depth d such that every depth 0..d agrees with cache-off on >= min_agreement of
+    the tokens (depth 0 is cache-off itself, so it always passes). A deeper depth that passes
+    after a failing one is noise, not evidence: it is not taken."""
+    best = 0
+    for d, a in enumerate(agr):
+        if d > 0 and a < min_agreement - 1e-12:
+            break
+        best = d
+    return best
+
+
+def safe_table(fractions: Sequence[float], raw: Sequence[int | None]) -> list[tuple[float, int]]:
+    """The profile table from per-bucket depths (None: no sample reached the bucket, no entry):
+    starts with (0, 0), and at each r is the smallest depth measured at or above r."""
+    entries = [(float(r), int(b)) for r, b in zip(fractions, raw) if b is not None]
+    if not any(r == 0 for r, _ in entries):
+        entries.insert(0, (0.0, 0))
+    return BicacheProfile.monotone(entries)
+
+
+def mean_rows(rows: list[list[float]]) -> list[float] | None:
+    if not rows:
+        return None
+    return [sum(col) / len(col) for col in zip(*rows)]
+
+
+def kv_cosine_profile(model, model_config, samples: Sequence[Sample], *, fractions: Sequence[float] = DEFAULT_FRACTIONS,
+                      gen_length: int = 32, block_length: int = 32, threshold: float = 0.97,
+                      depth_rule: str = "resume", model_name: str = "",
+                      cached_context: str = DEFAULT_CACHED_CONTEXT):
+    """The kv-cosine profile of already tokenized samples (for scripts that build their own
+    workload, e.g. examples/bench_prefix.py). Returns (BicacheProfile, per-bucket similarity)."""
+    device = next(model.parameters()).device
+    meter = SimilarityMeter(model, model_config.mask_token_id, device)
+    tasks = plan_tasks(samples, fractions, gen_candidates(gen_length, block_length),
+                       model_config.max_position_embeddings)
+    rows: list[list[list[float]]] = [[] for _ in fractions]
+    skipped = 0
+    for t in tasks:
+        ctx = None
+        if cached_context == "first_request":
+            ctx = first_request_rest(samples, t)
+            if ctx is None:
+                skipped += 1
+                continue
+        sk, sv, _ = meter.measure(samples[t.sample], t, ctx)
+        rows[t.bucket].append([(a + b) / 2 for a, b in zip(sk, sv)])
+    if skipped:
+        log.warning("first_request: %d of %d measurements skipped (no other sample with a long enough, different "
+                    "question); their buckets fall back to the next lower fraction", skipped, len(tasks))
+    sims = [mean_rows(x) for x in rows]
+    raw = [None if sim is None else depth_from_similarity(sim, threshold, depth_rule) for sim in sims]
+    prof = BicacheProfile(table=tuple(safe_table(fractions, raw)), n_layers=model_config.n_layers,
+                          model=model_name, criterion="kv-cosine", threshold=threshold,
+                          extra={"fractions": list(fractions), "similarity": sims, "depth_rule": depth_rule,
+                                 "cached_context": cached_context})
+    return prof, sims
