@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from bicache_sgl.server.args import ServerArgs, parse_args
+
+if TYPE_CHECKING:  # the engine package loads torch; the flags parse without it
+    from bicache_sgl.engine.interface import EngineClient
+    from bicache_sgl.server.state import ServerState
 
 logger = logging.getLogger("bicache_sgl.server")
 
@@ -22,13 +27,14 @@ def setup_logging(level: str) -> None:
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
 
 
-def build_engine(args: ServerArgs) -> Any:
+def build_engine(args: ServerArgs) -> EngineClient:
+    """The in-process engine these args describe."""
     from bicache_sgl import Engine
 
     return Engine(config=args.engine_config())
 
 
-def serve(args: ServerArgs, engine: Any | None = None) -> None:
+def serve(args: ServerArgs, engine: EngineClient | None = None) -> None:
     """Build the engine (unless given), then serve until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -39,11 +45,11 @@ def serve(args: ServerArgs, engine: Any | None = None) -> None:
     if engine is None:
         try:
             engine = build_engine(args)
-        except Exception as e:  # noqa: BLE001 - a clear line instead of a traceback for config errors
+        except Exception as e:  # a clear line instead of a traceback for config errors
             logger.debug("engine construction failed", exc_info=True)
             logger.error("could not start the engine: %s: %s", type(e).__name__, e)
             raise SystemExit(1) from None
-    logger.info("model loaded: %s", getattr(engine, "model_path", args.model_path))
+    logger.info("model loaded: %s", engine.model_path)
     app = create_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_keep_alive=5,
@@ -51,7 +57,7 @@ def serve(args: ServerArgs, engine: Any | None = None) -> None:
     draining_server(config, app.state.server, args.graceful_shutdown_timeout).run()
 
 
-def draining_server(config: Any, state: Any, grace: float) -> Any:
+def draining_server(config: Any, state: ServerState, grace: float) -> Any:
     """uvicorn's Server with a drain step at the start of its shutdown (SIGTERM/SIGINT): stop
     accepting connections, give running requests ``grace`` seconds, abort the rest so each still
     gets an answer (``ServerState.drain``); only then does uvicorn close the connections.

@@ -15,7 +15,8 @@ def test_frontend_agent_example_tiny(tmp_path):
     pytest.importorskip("sglang")
     script = Path(__file__).resolve().parents[1] / "examples" / "frontend_agent.py"
     env = dict(os.environ, TMPDIR=str(tmp_path), TOKENIZERS_PARALLELISM="false")
-    p = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=240, env=env,
+                       check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [ln.split() for ln in p.stdout.splitlines() if ln[:1].isdigit()]
     assert len(rows) == 2 * 6  # two tasks x (plan, 3 forks, best, answer)

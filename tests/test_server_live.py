@@ -93,7 +93,9 @@ def test_server_info_internal_states(server):
     for path in ("/get_server_info", "/server_info"):
         info = requests.get(server.url + path, timeout=10).json()
         st = info["internal_states"][0]
-        assert st["avg_spec_accept_length"] > 0
+        # tokens per forward under its own name; the SGLang name is an alias bench_serving reads
+        assert st["avg_tokens_per_forward"] > 0 and st["avg_spec_accept_length"] == st["avg_tokens_per_forward"]
+        assert st["forward_passes_total"] > 0
         assert "prefix_cache_capacity_tokens" in st and "cache_hit_rate" in st
         assert st["num_running_reqs"] >= 0
         assert info["block_length"] == BLOCK and info["api_key"] is None
@@ -111,16 +113,39 @@ def test_metrics_prometheus_text(server):
     assert "# TYPE sglang:num_running_reqs gauge" in r.text
 
 
-def test_flush_cache_variants(server):
-    assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
-    assert requests.post(server.url + "/flush_cache", json={"empty_cache": True}, timeout=30).status_code == 200
-    assert requests.get(server.url + "/flush_cache", timeout=30).status_code == 200
-    assert requests.post(server.url + "/flush_cache?timeout=5", timeout=30).status_code == 200
+def _cached_after_prefill(server, prompt: str) -> int:
+    gen(server, {"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    return gen(server, {"text": prompt + " and more", "sampling_params": {"max_new_tokens": 0}})["meta_info"][
+        "cached_tokens"]
 
 
-def test_concate_and_append_is_noop(server):
+def test_flush_cache_variants_empty_the_cache(server):
+    prompt = "a prompt that is cached, then flushed by every variant of the route"
+    for call in (lambda: requests.post(server.url + "/flush_cache", timeout=30),
+                 lambda: requests.post(server.url + "/flush_cache", json={"empty_cache": True}, timeout=30),
+                 lambda: requests.get(server.url + "/flush_cache", timeout=30),
+                 lambda: requests.post(server.url + "/flush_cache?timeout=5", timeout=30)):
+        assert _cached_after_prefill(server, prompt) >= len(prompt) - 1  # byte tokenizer: 1 token per char
+        r = call()
+        assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+        out = gen(server, {"text": prompt + " and more", "sampling_params": {"max_new_tokens": 0}})
+        assert out["meta_info"]["cached_tokens"] == 0
+    r = requests.post(server.url + "/flush_cache?timeout=-1", timeout=30)
+    assert r.status_code == 400 and "timeout" in r.json()["error"]["message"]
+
+
+def test_concate_and_append_route_answers_what_it_does(server):
     r = post(server, "/concate_and_append_request", {"src_rids": ["a", "b"], "dst_rid": "c"})
-    assert r.status_code == 200
+    assert r.status_code == 200 and r.json()["success"] is True and "nothing to splice" in r.json()["message"]
+    r = post(server, "/concate_and_append_request", {"src_rids": "a"})
+    assert r.status_code == 400 and "src_rids" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+@pytest.mark.parametrize("path", ["/start_profile", "/stop_profile"])
+def test_profiling_is_501(server, method, path):
+    r = requests.request(method, server.url + path, timeout=10)
+    assert r.status_code == 501 and "is not implemented" in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,6 +374,53 @@ def test_openai_bad_input(server, path, payload):
     assert r.json()["error"]["message"]
 
 
+# a refused field with a value that asks for something: 400 naming the field, nothing generated
+REFUSED_GENERATE = [
+    ("regex", {"sampling_params": {"regex": "[0-9]+"}}),
+    ("json_schema", {"sampling_params": {"json_schema": '{"type": "object"}'}}),
+    ("ebnf", {"sampling_params": {"ebnf": "root ::= 'x'"}}),
+    ("frequency_penalty", {"sampling_params": {"frequency_penalty": 0.5}}),
+    ("presence_penalty", {"sampling_params": {"presence_penalty": 0.5}}),
+    ("repetition_penalty", {"sampling_params": {"repetition_penalty": 1.3}}),
+    ("min_p", {"sampling_params": {"min_p": 0.1}}),
+    ("logit_bias", {"sampling_params": {"logit_bias": {"65": 5.0}}}),
+    ("stop_regex", {"sampling_params": {"stop_regex": ["\\d"]}}),
+    ("custom_params", {"sampling_params": {"custom_params": {"x": 1}}}),
+    ("no_stop_trim", {"sampling_params": {"no_stop_trim": True}}),
+    ("temprature", {"sampling_params": {"temprature": 0.1}}),  # not a sampling parameter at all
+    ("image_data", {"image_data": "cat.png"}),
+    ("lora_path", {"lora_path": "my-adapter"}),
+    ("return_hidden_states", {"return_hidden_states": True}),
+    ("session_params", {"session_params": {"id": "s"}}),
+]
+
+
+@pytest.mark.parametrize("field,extra", REFUSED_GENERATE, ids=[f for f, _ in REFUSED_GENERATE])
+def test_generate_refused_field_is_400_naming_it(server, field, extra):
+    body = {"text": "refused", **extra}
+    body["sampling_params"] = {"max_new_tokens": 4, **extra.get("sampling_params", {})}
+    for stream in (False, True):
+        r = post(server, "/generate", {**body, "stream": stream})
+        assert r.status_code == 400, (field, r.status_code, r.text)
+        assert r.json()["error"]["message"].startswith(field), r.text
+
+
+def test_generate_accepts_exactly_what_the_sglang_frontend_sends(server):
+    """The body the real frontend sends (recorded against a logging stub): its no-op defaults all pass."""
+    body = {"text": "Q: capital of France?\nA:",
+            "sampling_params": {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                                "max_new_tokens": 16, "min_new_tokens": 0, "n": 1, "stop": ["\n", "Q:"],
+                                "stop_token_ids": [], "stop_regex": [], "temperature": 0, "top_p": 1.0, "top_k": -1,
+                                "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False,
+                                "regex": None, "json_schema": None},
+            "stream": False, "return_logprob": True, "logprob_start_len": 8, "top_logprobs_num": 5,
+            "return_text_in_logprobs": True, "lora_path": None, "image_data": None, "sampling_seed": None,
+            "return_routed_experts": False, "rid": "frontend-defaults"}
+    out = gen(server, body)
+    assert out["meta_info"]["id"] == "frontend-defaults" and out["meta_info"]["completion_tokens"] <= 16
+    assert len(out["meta_info"]["output_top_logprobs"]) == out["meta_info"]["completion_tokens"]
+
+
 def test_openai_unknown_model_404(server):
     r = post(server, "/v1/completions", {"model": "gpt-17", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -431,6 +503,54 @@ def test_openai_chat(oai, tokenizer):
     assert len(r.choices) == 2
 
 
+OPENAI_REFUSED = [
+    ("completions", "frequency_penalty", {"frequency_penalty": 0.5}),
+    ("completions", "presence_penalty", {"presence_penalty": -0.5}),
+    ("completions", "logit_bias", {"logit_bias": {"65": 10}}),
+    ("completions", "best_of", {"best_of": 2}),
+    ("completions", "suffix", {"suffix": " the end"}),
+    ("completions", "regex", {"extra_body": {"regex": "[a-z]+"}}),
+    ("completions", "repetition_penalty", {"extra_body": {"repetition_penalty": 1.2}}),
+    ("completions", "made_up_field", {"extra_body": {"made_up_field": 1}}),
+    ("chat", "tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("chat", "tool_choice", {"tool_choice": "required"}),
+    ("chat", "functions", {"functions": [{"name": "f", "parameters": {}}]}),
+    ("chat", "response_format", {"response_format": {"type": "json_object"}}),
+    ("chat", "logit_bias", {"logit_bias": {"65": 10}}),
+    ("chat", "frequency_penalty", {"frequency_penalty": 1.0}),
+    ("chat", "presence_penalty", {"presence_penalty": 1.0}),
+    ("chat", "reasoning_effort", {"reasoning_effort": "low"}),
+    ("chat", "min_p", {"extra_body": {"min_p": 0.2}}),
+    ("chat", "stream_options.continuous_usage_stats",
+     {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+]
+
+
+@pytest.mark.parametrize("route,field,kwargs", OPENAI_REFUSED, ids=[f"{r}-{f}" for r, f, _ in OPENAI_REFUSED])
+def test_openai_refused_field_is_400_naming_it(oai, route, field, kwargs):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        if route == "chat":
+            oai.chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=4, **kwargs)
+        else:
+            oai.completions.create(model="tiny-llada", prompt="hi", max_tokens=4, **kwargs)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == field and err["message"].startswith(field), err
+
+
+def test_openai_noop_values_and_metadata_accepted(oai):
+    r = oai.chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                    frequency_penalty=0, presence_penalty=0.0, tools=[], tool_choice="none",
+                                    response_format={"type": "text"}, user="u-1", metadata={"k": "v"},
+                                    store=False, extra_body={"min_p": 0.0, "repetition_penalty": 1.0})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = oai.completions.create(model="tiny-llada", prompt="hi", max_tokens=4, best_of=1, user="u-1",
+                               frequency_penalty=0.0, extra_body={"regex": None})
+    assert r.usage.completion_tokens <= 4
+
+
 def test_openai_chat_stream(oai):
     stream = oai.chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": "Tell me"}],
                                          max_tokens=16, stream=True, stream_options={"include_usage": True},
@@ -459,8 +579,7 @@ def sgl(server):
 
 
 def test_sglang_gen_and_select_all_methods(sgl):
-    from sglang.lang.choices import (greedy_token_selection, token_length_normalized,
-                                     unconditional_likelihood_normalized)
+    from sglang.lang.choices import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
 
     @sgl.function
     def program(s, method):
@@ -474,6 +593,51 @@ def test_sglang_gen_and_select_all_methods(sgl):
         meta = state.get_meta_info("verdict")
         assert len(meta["normalized_prompt_logprobs"]) == 3
         assert state.get_meta_info("reason")["completion_tokens"] <= 8
+
+
+def test_sglang_frontend_refused_parameters_surface_as_errors(sgl):
+    """The frontend's own defaults pass (previous tests); asking it for a feature this server does not
+    implement fails the program with the server's message instead of returning unconstrained text."""
+    @sgl.function
+    def penalised(s):
+        s += "Q: 1+1?\nA:" + sgl.gen("a", max_tokens=4, frequency_penalty=0.5)
+
+    @sgl.function
+    def typed(s):
+        s += "Q: 1+1?\nA:" + sgl.gen("a", max_tokens=4, dtype=int)  # the frontend turns dtype into a regex
+
+    @sgl.function
+    def constrained(s):
+        s += "Q: 1+1?\nA:" + sgl.gen("a", max_tokens=4, regex="[0-9]+")
+
+    for program, field in ((penalised, "frequency_penalty"), (typed, "regex"), (constrained, "regex")):
+        state = program.run()
+        state.sync()
+        assert isinstance(state.error(), RuntimeError), field
+        assert f"{field} is not supported" in str(state.error())
+
+
+def test_sglang_join_concate_and_append(sgl, tokenizer):
+    """join(mode="concate_and_append") calls /concate_and_append_request after the client appended the
+    forks' text; the next gen then sees all of it (the route has nothing left to do)."""
+    @sgl.function
+    def tree(s):
+        s += "Base. "
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"Branch {i}: "
+            f += sgl.gen("idea", max_tokens=4)
+        forks.join(mode="concate_and_append")
+        s += " Then:" + sgl.gen("after", max_tokens=4)
+
+    state = tree.run()
+    state.sync()
+    assert state.error() is None
+    text = state.text()
+    b0, b1 = text.find("Branch 0: "), text.find("Branch 1: ")
+    assert text.startswith("Base. ") and 0 < b0 < b1 < text.find(" Then:")
+    prompt = text[:text.find(" Then:")] + " Then:"
+    assert state.get_meta_info("after")["prompt_tokens"] == len(tokenizer.encode(prompt))
 
 
 def test_sglang_fork_join(sgl):
@@ -546,7 +710,7 @@ def _bench(server, tmp_path, *extra):
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", server.url,
            "--tokenizer", server.model_path,
            "--output-file", str(out), "--seed", "1", "--disable-tqdm", *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, json.loads(out.read_text().splitlines()[-1])
 
@@ -562,7 +726,7 @@ def test_bench_serving_random_ids(server, tmp_path):
 
 def test_bench_serving_generated_shared_prefix(server, tmp_path):
     pytest.importorskip("sglang")
-    stdout, res = _bench(server, tmp_path, "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
+    _stdout, res = _bench(server, tmp_path, "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
                          "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "96", "--gsp-question-len", "16",
                          "--gsp-output-len", "8", "--flush-cache")
     assert res["completed"] == 8
@@ -575,3 +739,10 @@ def test_no_server_side_errors_logged(server):
     log = server.log_text()
     assert "Traceback" not in log, log[-4000:]
     assert "unexpected error" not in log and " 500 " not in log
+
+
+def test_tp_size_above_one_stops_the_launch(tmp_path):
+    from bicache_sgl.runtime import Runtime
+
+    with pytest.raises(RuntimeError, match="tensor parallelism is not implemented; use --tp-size 1"):
+        Runtime(model_path=str(tmp_path / "never-loaded"), tp_size=2, timeout=60, log_path=str(tmp_path / "log"))

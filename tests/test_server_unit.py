@@ -1,9 +1,13 @@
-"""Server pieces that need no running server: flags, request parsing, streaming text hold-back,
-Prometheus rendering, chat rendering, Runtime's flag mapping."""
+"""Server pieces that need no running server: flags, request parsing, which fields are refused,
+streaming text hold-back, Prometheus rendering, chat rendering, the app's wiring (routes on a stub
+engine, no import circle), Runtime's flag mapping."""
 
 from __future__ import annotations
 
+import ast
 import logging
+import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,10 +35,12 @@ def test_flags_map_to_engine_config(caplog):
                         "--threshold", "none", "--remasking", "random", "--cache-mode", "prefix",
                         "--prefix-cache", "fixed:3", "--max-prefix-cache-tokens", "4096", "--max-queued-requests", "7",
                         "--max-running-requests", "5", "--context-length", "2k", "--attention-backend", "triton",
+                        "--max-total-tokens", "9000",
                         "--cuda-graph-bs", "4", "--disable-cuda-graph", "--grammar-backend", "none"])
     cfg = a.engine_config()
     assert (cfg.model_path, cfg.max_running_requests, cfg.max_queued_requests, cfg.context_length) == ("/m", 5, 7, 2000)
     assert (cfg.prefix_cache, cfg.max_prefix_cache_tokens, cfg.attention_backend) == ("fixed:3", 4096, "torch")
+    assert cfg.max_total_tokens == 9000
     d = cfg.decode
     assert (d.block_length, d.steps_per_block, d.threshold, d.remasking, d.cache_mode) == (16, 4, None, "random",
                                                                                          "prefix")
@@ -58,6 +64,24 @@ def test_flags_defaults_and_radix_switch():
 def test_bad_flags_exit(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp-size", "2"], "tensor parallelism is not implemented; use --tp-size 1"),
+    (["--tensor-parallel-size", "4"], "tensor parallelism is not implemented; use --tp-size 1"),
+    (["--dp-size", "2"], "data parallelism is not implemented; use --dp-size 1"),
+    (["--dllm-algorithm", "JointThreshold"], "--dllm-algorithm JointThreshold is not implemented"),
+    (["--dllm-algorithm-config", "algo.yaml"], "--dllm-algorithm-config is not implemented")])
+def test_unimplemented_flags_stop_the_launch(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_sglang_flags_with_their_single_device_values_are_accepted():
+    a = parse_args(["--tp-size", "1", "--dp-size", "1", "--dllm-algorithm", "LowConfidence", "--remasking", "random",
+                    "--trust-remote-code", "--enable-metrics"])
+    assert a.remasking == "low_confidence" and a.ignored_args == ()
 
 
 def test_context_length_units():
@@ -87,14 +111,136 @@ def test_single_and_batch_shapes():
     assert parse({"text": "a", "sampling_params": {"n": 2}}).batch  # n > 1 answers with a list
 
 
-def test_nulls_mean_default_and_unknown_keys_ignored():
+# what SGLang's frontend sends on every gen() call (recorded from the real client)
+FRONTEND_SAMPLING = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 16,
+                     "min_new_tokens": 0, "n": 1, "stop": ["\n", "Q:"], "stop_token_ids": [], "stop_regex": [],
+                     "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+                     "presence_penalty": 0.0, "ignore_eos": False, "regex": None, "json_schema": None}
+
+
+def test_nulls_and_noop_defaults_accepted_unknown_top_level_keys_ignored():
     g = parse({"text": "abc", "sampling_params": {"max_new_tokens": None, "temperature": None, "regex": None,
-                                                    "json_schema": None, "stop": "x", "logit_bias": {"1": 2}},
+                                                    "json_schema": None, "stop": "x", "logit_bias": {},
+                                                    "repetition_penalty": 1.0, "custom_params": None,
+                                                    "no_stop_trim": False, "some_future_key": None},
                "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None, "lora_path": None,
-               "stream": None, "whatever": 1})
+               "image_data": None, "return_hidden_states": False, "sampling_seed": None, "stream": None,
+               "conversation_id": "c1", "whatever": 1})
     p = g.items[0].params
     assert p.temperature == SamplingParams().temperature and p.stop == ("x",)
     assert g.items[0].logprob.logprob_start_len == -1
+    p = parse({"text": "abc", "sampling_params": FRONTEND_SAMPLING}).items[0].params
+    assert (p.temperature, p.max_new_tokens, p.stop, p.top_k) == (0.0, 16, ("\n", "Q:"), -1)
+
+
+REFUSED_SAMPLING = [("regex", "[0-9]+"), ("json_schema", '{"type": "object"}'), ("ebnf", "root ::= 'a'"),
+                    ("structural_tag", "{}"), ("stop_regex", ["a+"]), ("frequency_penalty", 0.5),
+                    ("presence_penalty", -0.1), ("repetition_penalty", 1.2), ("min_p", 0.05),
+                    ("logit_bias", {"1": 2.0}), ("custom_params", {"k": 1}), ("no_stop_trim", True),
+                    ("spaces_between_special_tokens", False), ("stream_interval", 4),
+                    # a boolean is not the number 0 (Python would say False == 0)
+                    ("frequency_penalty", False)]
+
+
+@pytest.mark.parametrize("key,value", REFUSED_SAMPLING, ids=[f"{k}={v!r}" for k, v in REFUSED_SAMPLING])
+def test_refused_sampling_params_name_the_field(key, value):
+    with pytest.raises(ValueError, match=f"^{key} is not supported yet .*: remove the field or set it to null"):
+        SamplingParams.from_dict({key: value})
+    with pytest.raises(APIError) as e:
+        parse({"text": "abc", "sampling_params": {"max_new_tokens": 4, key: value}})
+    assert e.value.status == 400 and e.value.message.startswith(key)
+
+
+def test_every_refused_sampling_key_accepts_its_noop_values():
+    for key, (noops, _) in SamplingParams.UNSUPPORTED.items():
+        for v in (None, *noops):
+            assert SamplingParams.from_dict({key: v}) == SamplingParams(), (key, v)
+    assert {k for k, _ in REFUSED_SAMPLING} == set(SamplingParams.UNSUPPORTED)  # the test covers the table
+
+
+def test_unknown_sampling_key_is_refused_by_name():
+    with pytest.raises(APIError, match="^temprature is not a sampling parameter"):
+        parse({"text": "abc", "sampling_params": {"temprature": 0.5}})
+    assert SamplingParams.from_dict({"sampling_seed": 7, "max_tokens": 3}).seed == 7  # aliases are known
+
+
+REFUSED_TOP_LEVEL = [("image_data", "http://x/cat.png"), ("audio_data", ["a.wav"]), ("modalities", ["image"]),
+                     ("lora_path", "adapter"), ("lora_path", [None, "adapter"]), ("return_hidden_states", True),
+                     ("session_params", {"id": "s"}), ("custom_logit_processor", "x"), ("token_ids_logprob", [1]),
+                     ("bootstrap_host", "h"), ("data_parallel_rank", 1), ("priority", 1), ("sampling_seed", 3),
+                     ("input_embeds", [[0.1]]), ("background", True)]
+
+
+@pytest.mark.parametrize("key,value", REFUSED_TOP_LEVEL, ids=[f"{k}={v!r}" for k, v in REFUSED_TOP_LEVEL])
+def test_refused_generate_fields_name_the_field(key, value):
+    with pytest.raises(APIError) as e:
+        parse({"text": "abc", key: value})
+    assert e.value.status == 400 and e.value.param == key and e.value.message.startswith(f"{key} is not supported")
+
+
+def test_log_metrics_false_is_carried_to_the_item():
+    assert parse({"text": "a"}).items[0].log_metrics is True
+    assert parse({"text": "a", "log_metrics": False}).items[0].log_metrics is False
+    with pytest.raises(APIError):
+        parse({"text": "a", "log_metrics": "no"})
+
+
+# -- OpenAI request fields ------------------------------------------------------------------------------
+
+def openai_check(route: str, body: dict) -> None:
+    from bicache_sgl.server.fields import check_chat_body, check_completion_body
+
+    (check_chat_body if route == "chat" else check_completion_body)(body)
+
+
+OPENAI_REFUSED = [("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+                  ("chat", "tool_choice", "required"), ("chat", "tool_choice", {"type": "function"}),
+                  ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", {"name": "f"}),
+                  ("chat", "response_format", {"type": "json_object"}), ("chat", "audio", {"voice": "x"}),
+                  ("chat", "modalities", ["text", "audio"]), ("chat", "reasoning_effort", "low"),
+                  ("chat", "prediction", {"type": "content"}), ("chat", "store", True),
+                  ("chat", "service_tier", "flex"), ("chat", "logit_bias", {"5": 1}),
+                  ("chat", "frequency_penalty", 0.3), ("chat", "presence_penalty", 1),
+                  ("chat", "min_p", 0.1), ("chat", "regex", "a"), ("chat", "rid", "r1"),
+                  ("completions", "best_of", 3), ("completions", "suffix", "end"),
+                  ("completions", "logit_bias", {"5": 1}), ("completions", "repetition_penalty", 1.1),
+                  ("completions", "json_schema", "{}"), ("completions", "lora_path", "a"),
+                  ("completions", "tools", [])]  # not a completions field at all
+
+
+@pytest.mark.parametrize("route,key,value", OPENAI_REFUSED, ids=[f"{r}-{k}" for r, k, _ in OPENAI_REFUSED])
+def test_openai_refused_fields_name_the_field(route, key, value):
+    from bicache_sgl.server.fields import FieldError
+
+    with pytest.raises(FieldError) as e:
+        openai_check(route, {"model": "m", key: value})
+    assert e.value.param == key and str(e.value).startswith(key)
+
+
+def test_openai_noop_and_metadata_fields_accepted():
+    openai_check("chat", {"model": "m", "messages": [], "tools": [], "tool_choice": "auto", "functions": None,
+                          "function_call": "none", "parallel_tool_calls": True, "response_format": {"type": "text"},
+                          "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                          "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": None, "n": 1,
+                          "separate_reasoning": True, "modalities": ["text"], "seed": 1})
+    openai_check("completions", {"model": "m", "prompt": "p", "best_of": 1, "suffix": None, "user": "u",
+                                 "echo": False, "min_p": 0.0, "regex": None})
+    from bicache_sgl.server.fields import FieldError
+
+    with pytest.raises(FieldError, match="^tool_choice"):  # "auto" is a no-op only without tools
+        openai_check("chat", {"tool_choice": "auto", "tools": [{"type": "function"}]})
+
+
+def test_openai_unknown_field_and_stream_option_refused():
+    from bicache_sgl.server.fields import FieldError, check_stream_options
+
+    with pytest.raises(FieldError) as e:
+        openai_check("completions", {"prompt": "p", "max_new_token": 3})
+    assert e.value.param == "max_new_token"
+    check_stream_options({"include_usage": True, "include_obfuscation": False})
+    with pytest.raises(FieldError) as e:
+        check_stream_options({"continuous_usage_stats": True})
+    assert e.value.param == "stream_options.continuous_usage_stats"
 
 
 def test_implicit_max_new_tokens_shrinks_to_context():
@@ -134,8 +280,8 @@ def test_json_body_errors():
 # -- streaming hold-back -----------------------------------------------------------------------------
 
 def test_stream_text_holds_back_stop_prefix_and_partial_chars():
-    from bicache_sgl.server.app import stream_text
     from bicache_sgl.server.protocol import Item, LogprobOptions
+    from bicache_sgl.server.responses import stream_text
 
     item = Item(input_ids=[1], params=SamplingParams(stop=("END", "\n\n")), logprob=LogprobOptions())
     ev = SimpleNamespace(text="hello EN", finished=False)
@@ -196,7 +342,11 @@ def test_runtime_flag_mapping():
 
     assert server_flags({"block_length": 8, "disable_radix_cache": True, "api_key": None, "skip_server_warmup": False,
                          "threshold": "none"}) == ["--block-length", "8", "--disable-radix-cache", "--threshold", "none"]
-    assert 0 < find_free_port() < 65536
+    port = find_free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the port it returns can really be served
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert s.getsockname()[1] == port
 
 
 def test_runtime_reports_a_failed_start(tmp_path):
@@ -204,3 +354,104 @@ def test_runtime_reports_a_failed_start(tmp_path):
 
     with pytest.raises(RuntimeError, match="could not start the engine"):
         Runtime(model_path=str(tmp_path / "missing"), timeout=60, log_path=str(tmp_path / "log.txt"))
+
+
+# -- the app's wiring ----------------------------------------------------------------------------------
+
+SERVER_DIR = Path(__file__).resolve().parents[1] / "bicache_sgl" / "server"
+
+
+def server_imports() -> dict[str, set[str]]:
+    """module -> the bicache_sgl.server modules it imports (at any depth in the file)."""
+    graph: dict[str, set[str]] = {}
+    for f in SERVER_DIR.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                deps |= {n.rsplit(".", 1)[-1] for n in names if n.startswith("bicache_sgl.server.")}
+        graph[f.stem] = deps & {g.stem for g in SERVER_DIR.glob("*.py")} - {f.stem}
+    return graph
+
+
+def test_server_modules_have_no_import_circle():
+    graph = server_imports()
+    assert "app" not in graph["openai_api"] and "app" not in graph["native_api"]
+    done: set[str] = set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, f"import circle: {' -> '.join(path + (m,))}"
+        if m in done:
+            return
+        for d in graph.get(m, ()):
+            if d != "__init__":  # the package __init__ only re-exports (lazily for the app)
+                visit(d, path + (m,))
+        done.add(m)
+
+    for m in graph:
+        visit(m, ())
+
+
+def test_no_engine_probing_in_the_server():
+    """The server uses the typed EngineClient interface, never getattr on the engine."""
+    for f in [*SERVER_DIR.glob("*.py"), SERVER_DIR.parent / "launch_server.py"]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr"):
+                target = ast.unparse(node.args[0])
+                assert "engine" not in target and target != "ev", (f.name, ast.unparse(node))
+
+
+class StubEngine:
+    """Just enough of EngineClient to build the app and answer the routes that need no model."""
+
+    model_path = "stub-model"
+    context_length = 64
+    tokenizer = None
+    model_config = None
+
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        return True
+
+    def get_stats(self) -> dict:
+        return {"num_running_reqs": 0, "num_waiting_reqs": 0}
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        pass
+
+
+@pytest.fixture
+def client():
+    from fastapi.testclient import TestClient
+
+    from bicache_sgl.server.app import create_app
+    from bicache_sgl.server.args import ServerArgs
+
+    return TestClient(create_app(StubEngine(), ServerArgs(served_model_name="stub")))  # no lifespan: no warmup
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+@pytest.mark.parametrize("path", ["/start_profile", "/stop_profile"])
+def test_profile_routes_are_501(client, method, path):
+    r = client.request(method, path)
+    assert r.status_code == 501
+    err = r.json()["error"]
+    assert err["type"] == "NotImplementedError" and f"{path} is not implemented" in err["message"]
+
+
+def test_concate_and_append_checks_its_body(client):
+    r = client.post("/concate_and_append_request", json={"src_rids": ["a", "b"], "dst_rid": "c"})
+    assert r.status_code == 200 and r.json()["success"] is True and "nothing to splice" in r.json()["message"]
+    for bad in ({"src_rids": "a", "dst_rid": "c"}, {"src_rids": ["a"]}, {"src_rids": [1], "dst_rid": "c"}):
+        r = client.post("/concate_and_append_request", json=bad)
+        assert r.status_code == 400, bad
+
+
+def test_state_reached_through_the_app(client):
+    info = client.get("/get_server_info").json()
+    assert info["served_model_name"] == "stub" and info["model_path"] == "stub-model"
+    st = info["internal_states"][0]
+    assert st["avg_tokens_per_forward"] == st["avg_spec_accept_length"] == 1.0  # no forward yet
+    assert st["num_running_reqs"] == 0  # the engine's stats are merged in
+    assert client.get("/v1/models").json()["data"][0]["id"] == "stub"
+    assert client.get("/health").status_code == 503  # not warmed up: the lifespan did not run
+    assert client.post("/flush_cache").text.startswith("Cache flushed.")

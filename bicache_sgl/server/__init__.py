@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 try:
-    from importlib.metadata import PackageNotFoundError, version as _version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
 
     try:
         __version__ = _version("bicache-sgl")
@@ -12,15 +15,20 @@ try:
 except Exception:  # noqa: BLE001
     __version__ = "0.1.0"
 
-from bicache_sgl.server.args import ServerArgs, build_parser, parse_args  # noqa: E402
-from bicache_sgl.server.protocol import APIError  # noqa: E402
+from bicache_sgl.server.args import ServerArgs, build_parser, parse_args
+from bicache_sgl.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from bicache_sgl.engine.interface import EngineClient
 
 
-def create_app(engine, args: ServerArgs):
+def create_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     """The FastAPI app serving ``engine`` (imported lazily: FastAPI is only needed here)."""
     from bicache_sgl.server.app import create_app as _create
 
     return _create(engine, args)
 
 
-__all__ = ["APIError", "ServerArgs", "build_parser", "create_app", "parse_args", "__version__"]
+__all__ = ["APIError", "ServerArgs", "__version__", "build_parser", "create_app", "parse_args"]

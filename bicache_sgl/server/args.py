@@ -1,8 +1,10 @@
 """Command-line flags of ``bicache-sgl-server`` (SGLang's common flags plus the diffusion knobs).
 
-SGLang harnesses pass many flags this server has no use for (``--cuda-graph-bs``,
-``--grammar-backend`` ...). They are accepted with a warning instead of failing the launch
-(``parse_known_args``).
+Every flag this parser knows is either used or refuses a value it cannot honour (``--tp-size 2``
+is a startup error, not a silent single-device run). SGLang harnesses also pass flags that only
+tune SGLang's own machinery (``--cuda-graph-bs``, ``--grammar-backend`` ...); flags this parser
+does not know are accepted with a warning naming them and listed in ``ignored_args`` of
+/get_server_info (``parse_known_args``), so such a harness can launch this server unchanged.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import argparse
 import dataclasses
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from bicache_sgl.config import CACHE_MODES, DTYPES, REMASKING, DecodeDefaults, EngineConfig, parse_prefix_cache_mode
 
@@ -59,6 +62,7 @@ class ServerArgs:
     prefix_cache: str = "bicache"
     bicache_profile: str | None = None
     max_prefix_cache_tokens: int | None = None
+    max_total_tokens: int | None = None  # budget of the running requests' private K/V positions
     # diffusion decoding defaults (a request's sampling_params override them)
     block_length: int = 32
     steps_per_block: int | None = None
@@ -94,23 +98,24 @@ class ServerArgs:
             cache_mode=self.cache_mode,
             refresh_interval=self.refresh_interval,
         )
-        kw: dict[str, Any] = dict(
-            model_path=self.model_path,
-            tokenizer_path=self.tokenizer_path,
-            dtype=self.dtype,
-            device=self.device,
-            attention_backend=self.attention_backend,
-            max_running_requests=self.max_running_requests,
-            max_queued_requests=self.max_queued_requests,
-            context_length=self.context_length,
-            prefix_cache=self.effective_prefix_cache(),
-            max_prefix_cache_tokens=self.max_prefix_cache_tokens,
-            mem_fraction_static=self.mem_fraction_static,
-            bicache_profile=self.bicache_profile,
-            decode=decode,
-            chat_template=_resolved_template(self.chat_template),
-            num_threads=self.num_threads,
-        )
+        kw: dict[str, Any] = {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "dtype": self.dtype,
+            "device": self.device,
+            "attention_backend": self.attention_backend,
+            "max_running_requests": self.max_running_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "context_length": self.context_length,
+            "prefix_cache": self.effective_prefix_cache(),
+            "max_prefix_cache_tokens": self.max_prefix_cache_tokens,
+            "max_total_tokens": self.max_total_tokens,
+            "mem_fraction_static": self.mem_fraction_static,
+            "bicache_profile": self.bicache_profile,
+            "decode": decode,
+            "chat_template": _resolved_template(self.chat_template),
+            "num_threads": self.num_threads,
+        }
         if self.random_seed is not None:
             kw["random_seed"] = self.random_seed
         return EngineConfig(**kw)
@@ -227,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bicache-profile", default=None, help="JSON file with the r -> depth profile for bicache.")
     g.add_argument("--max-prefix-cache-tokens", type=int, default=None,
                    help="Token budget of the shared prefix pool (LRU eviction beyond it).")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="Budget of K/V positions over all running requests; requests wait for room "
+                        "(default: derived from memory).")
 
     g = p.add_argument_group("diffusion decoding defaults (requests may override in sampling_params)")
     g.add_argument("--block-length", type=int, default=32)
@@ -241,11 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--refresh-interval", type=int, default=0,
                    help="Steps between in-request cache refreshes (0 = at block starts only).")
 
-    g = p.add_argument_group("SGLang compatibility (accepted; mapped where meaningful)")
-    g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--trust-remote-code", action="store_true")
+    g = p.add_argument_group("SGLang compatibility")
+    g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
+                   help="Only 1: tensor parallelism is not implemented (a larger value is a startup error).")
+    g.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
+                   help="Only 1: data parallelism is not implemented (a larger value is a startup error).")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Accepted for SGLang's command lines. The model code is part of this package; nothing "
+                        "from the checkpoint folder is ever executed, with or without the flag.")
     g.add_argument("--dllm-algorithm", default=None,
-                   help="SGLang dLLM algorithm name: LowConfidence maps to --remasking low_confidence.")
+                   help="SGLang dLLM algorithm name. Only LowConfidence (= --remasking low_confidence) is "
+                        "implemented; any other name is a startup error.")
+    g.add_argument("--dllm-algorithm-config", default=None,
+                   help="Not implemented (a startup error if given): set --block-length, --threshold, "
+                        "--steps-per-block instead.")
     return p
 
 
@@ -284,16 +301,22 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         logger.warning("attention backend %r is not available here; using 'torch'", ns.attention_backend)
         backend = "torch"
     if ns.tp_size != 1:
-        logger.warning("--tp-size %d is not supported; running on one device", ns.tp_size)
+        parser.error(f"--tp-size {ns.tp_size}: tensor parallelism is not implemented; use --tp-size 1")
+    if ns.dp_size != 1:
+        parser.error(f"--dp-size {ns.dp_size}: data parallelism is not implemented; use --dp-size 1 "
+                     "(run several servers behind a load balancer instead)")
+    if ns.dllm_algorithm_config is not None:
+        parser.error("--dllm-algorithm-config is not implemented; set the decoding with --block-length, "
+                     "--threshold and --steps-per-block instead")
     remasking = ns.remasking
     if ns.dllm_algorithm:
-        if ns.dllm_algorithm.lower() in ("lowconfidence", "low_confidence"):
-            remasking = "low_confidence"
-        else:
-            logger.warning("--dllm-algorithm %s is not supported; using remasking=%s", ns.dllm_algorithm, remasking)
+        if ns.dllm_algorithm.lower() not in ("lowconfidence", "low_confidence"):
+            parser.error(f"--dllm-algorithm {ns.dllm_algorithm} is not implemented; the only one is LowConfidence "
+                         "(low-confidence remasking, with the Fast-dLLM --threshold)")
+        remasking = "low_confidence"
     for name in ("max_running_requests", "block_length", "steps_per_block", "steps", "max_queued_requests",
                  "max_prefix_cache_tokens", "num_threads", "context_length", "max_request_bytes", "max_batch_size",
-                 "max_n"):
+                 "max_n", "max_total_tokens"):
         v = getattr(ns, name)
         lo = 0 if name in ("max_queued_requests", "max_prefix_cache_tokens") else 1
         if v is not None and v < lo:
@@ -329,6 +352,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         prefix_cache=ns.prefix_cache,
         bicache_profile=ns.bicache_profile,
         max_prefix_cache_tokens=ns.max_prefix_cache_tokens,
+        max_total_tokens=ns.max_total_tokens,
         block_length=ns.block_length,
         steps_per_block=ns.steps_per_block,
         steps=ns.steps,

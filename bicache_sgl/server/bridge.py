@@ -12,20 +12,17 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+from bicache_sgl.engine.interface import EngineClient
+from bicache_sgl.io_struct import GenerateRequest, QueueFullError, RequestEvent
 from bicache_sgl.server.protocol import APIError, Item
 
 logger = logging.getLogger(__name__)
 
 
-def _is_queue_full(exc: BaseException) -> bool:
-    return type(exc).__name__ == "QueueFullError"
-
-
-def make_engine_request(item: Item):
-    from bicache_sgl.io_struct import GenerateRequest  # the engine package loads torch
-
+def make_engine_request(item: Item) -> GenerateRequest:
+    """The engine request for one parsed item."""
     kw = {}
     if item.extra.get("bicache_depth") is not None:
         kw["bicache_depth"] = item.extra["bicache_depth"]
@@ -44,8 +41,8 @@ def make_engine_request(item: Item):
 class Submission:
     """Engine requests submitted for one HTTP request; events arrive as (index, RequestEvent)."""
 
-    def __init__(self, engine: Any, items: Sequence[Item],
-                 on_finish: Callable[[int, Any, float], None] | None = None):
+    def __init__(self, engine: EngineClient, items: Sequence[Item],
+                 on_finish: Callable[[int, RequestEvent, float], None] | None = None):
         self.engine = engine
         self.items = list(items)
         self.rids: list[str | None] = [None] * len(self.items)
@@ -67,7 +64,7 @@ class Submission:
         q = self.queue
 
         def make_cb(i: int):
-            def on_event(ev: Any) -> None:  # engine thread: hand over, never block
+            def on_event(ev: RequestEvent) -> None:  # engine thread: hand over, never block
                 try:
                     loop.call_soon_threadsafe(q.put_nowait, (i, ev))
                 except RuntimeError:  # loop closed (server shutting down)
@@ -81,10 +78,9 @@ class Submission:
             reqs.append(make_engine_request(item))
 
         def submit_all() -> None:
-            many = getattr(self.engine, "submit_many", None)
-            if many is not None and len(reqs) > 1:
+            if len(reqs) > 1:
                 # atomic: a batch (select's choices, n samples) joins the same engine step
-                rids = many(reqs, [make_cb(i) for i in range(len(reqs))])
+                rids = self.engine.submit_many(reqs, [make_cb(i) for i in range(len(reqs))])
                 for i, rid in enumerate(rids):
                     self.rids[i] = rid
                 if self._cancelled:
@@ -107,9 +103,9 @@ class Submission:
             self._cancelled = True
             self.abort()
             raise
-        except Exception as e:  # noqa: BLE001 - mapped to a client answer below
+        except Exception as e:  # mapped to a client answer below
             self.abort()
-            if _is_queue_full(e):
+            if isinstance(e, QueueFullError):
                 raise APIError(f"the server is overloaded: {e}" if str(e) else "the request queue is full",
                                status=503) from None
             if isinstance(e, (ValueError, TypeError)):
@@ -132,7 +128,7 @@ class Submission:
             for rid in rids:
                 try:
                     self.engine.abort(rid)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("abort(%s) failed", rid)
 
         try:
@@ -145,8 +141,8 @@ class Submission:
         return all(self.finished)
 
     # -- events ---------------------------------------------------------------------------
-    async def events(self, is_disconnected: Callable[[], Any] | None = None,
-                     poll_s: float = 0.5) -> AsyncIterator[tuple[int, Any]]:
+    async def events(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     poll_s: float = 0.5) -> AsyncIterator[tuple[int, RequestEvent]]:
         """Yield (index, event) until every item finished. Every ``poll_s`` seconds (whether
         events arrive or not) it asks ``is_disconnected`` and aborts everything when the client
         went away."""
@@ -178,7 +174,7 @@ class Submission:
                     if self._on_finish is not None:
                         try:
                             self._on_finish(i, ev, now - self.start)
-                        except Exception:  # noqa: BLE001
+                        except Exception:
                             logger.exception("metrics hook failed")
                 yield i, ev
         finally:

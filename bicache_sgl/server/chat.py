@@ -115,7 +115,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], template: str | 
         raise APIError(f"could not apply the chat template: {e}", param="messages") from None
     if continue_final_message and tpl is BUILTIN_TEMPLATES["default"]:
         # the plain template ends every message with a newline; continue the last one instead
-        text = text[:-1] if text.endswith("\n") else text
+        text = text.removesuffix("\n")
     if not isinstance(text, str):
         raise APIError("the chat template did not produce text")
     return text

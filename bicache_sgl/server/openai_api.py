@@ -2,6 +2,10 @@
 
 They reuse the native request machinery (:class:`~bicache_sgl.server.protocol.Item`,
 :class:`~bicache_sgl.server.bridge.Submission`); only the request and response shapes differ.
+Every handler is a module-level function on :data:`router` and reaches the shared
+:class:`~bicache_sgl.server.state.ServerState` through ``request.app.state.server``. Which request
+fields are implemented, and which are refused with a 400 naming them, is decided in
+:mod:`bicache_sgl.server.fields`.
 """
 
 from __future__ import annotations
@@ -9,26 +13,170 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
 
+from bicache_sgl.io_struct import RequestEvent
+from bicache_sgl.server.bridge import Submission
 from bicache_sgl.server.chat import normalize_messages, render_chat
-from bicache_sgl.server.protocol import (APIError, Item, LogprobOptions, check_batch_size, check_length,
-                                         check_token_ids, is_int, parse_json_body, require_object,
-                                         sampling_params_from)
+from bicache_sgl.server.fields import (
+    SAMPLING_PASSTHROUGH,
+    FieldError,
+    check_chat_body,
+    check_completion_body,
+    check_stream_options,
+)
+from bicache_sgl.server.protocol import (
+    APIError,
+    Item,
+    LogprobOptions,
+    check_batch_size,
+    check_length,
+    check_token_ids,
+    field_error,
+    is_int,
+    parse_json_body,
+    require_object,
+    sampling_params_from,
+)
+from bicache_sgl.server.responses import SSE_DONE, ORJSONResponse, raise_if_failed, sse, sse_error, stream_text
+from bicache_sgl.server.state import ServerState, get_state
 
-# request keys copied into sampling_params as they are (SGLang extras and diffusion knobs)
-_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-                "skip_special_tokens", "seed", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                "regex", "json_schema", "ebnf", "no_stop_trim", "spaces_between_special_tokens",
-                "block_length", "steps", "steps_per_block", "threshold", "remasking", "cfg_scale", "cache_mode",
-                "refresh_interval")
+router = APIRouter()
+
 MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 
-def _finish(fr: Any) -> tuple[str | None, Any]:
+# ---------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "sglang",
+            "root": state.served_model_name, "parent": None, "max_model_len": state.context_length}
+
+
+def known_names(state: ServerState) -> set[str]:
+    """Model names a request may use: the served name, the model path and its folder, ``default``."""
+    names = {state.served_model_name, state.model_path, "default"}
+    if state.model_path:
+        names.add(os.path.basename(os.path.normpath(state.model_path)))
+    return {n for n in names if n}
+
+
+def check_model(state: ServerState, name: Any) -> None:
+    if name is None or name == "":
+        return
+    if not isinstance(name, str):
+        raise APIError("model must be a string", param="model")
+    if name not in known_names(state):
+        raise APIError(f"The model '{name}' does not exist; this server serves '{state.served_model_name}'.",
+                       status=404, err_type="invalid_request_error", code="model_not_found", param="model")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ORJSONResponse:
+    return ORJSONResponse({"object": "list", "data": [model_card(get_state(request))]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> ORJSONResponse:
+    state = get_state(request)
+    check_model(state, model_id)
+    return ORJSONResponse(model_card(state))
+
+
+# ---------------------------------------------------------------------------------------------
+# request helpers
+# ---------------------------------------------------------------------------------------------
+
+def check_fields(check: Callable[[Mapping[str, Any]], None], body: Mapping[str, Any]) -> None:
+    try:
+        check(body)
+    except FieldError as e:
+        raise field_error(e) from None
+
+
+def sampling_dict(body: dict, max_tokens: Any, default_max: int | None) -> dict[str, Any]:
+    """The native sampling_params of an OpenAI request (only implemented keys get here)."""
+    sp: dict[str, Any] = {k: body[k] for k in SAMPLING_PASSTHROUGH if body.get(k) is not None}
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    elif default_max is not None:
+        sp["max_new_tokens"] = default_max
+    if body.get("min_tokens") is not None:
+        sp["min_new_tokens"] = body["min_tokens"]
+    return sp
+
+
+def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,
+               lp: LogprobOptions) -> list[Item]:
+    """One engine item per prompt and sample (prompt-major), each checked against the context."""
+    try:
+        params, _ = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
+    except APIError as e:
+        e.param = None  # the message names the field; there is no "sampling_params" field on /v1
+        raise
+    check_batch_size(len(id_lists) * params.n, state.args.max_batch_size,
+                     "sequences (prompts x n)" if params.n > 1 else "prompts")
+    items = []
+    for pi, ids in enumerate(id_lists):
+        p = check_length(len(ids), params, explicit_max, state.context_length, state.args.block_length)
+        base = p.replace(n=1) if p.n > 1 else p
+        for j in range(p.n):
+            items.append(Item(input_ids=list(ids), params=base, logprob=lp, prompt_index=pi, sample_index=j))
+    return items
+
+
+def check_logprob_count(v: Any, name: str) -> int:
+    if not is_int(v) or v < 0 or v > MAX_TOP_LOGPROBS:
+        raise APIError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {v!r}", param=name)
+    return v
+
+
+def check_bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise APIError(f"{key} must be a boolean, got {v!r}", param=key)
+    return v
+
+
+def check_max_tokens(v: Any, name: str) -> None:
+    if v is not None and (not is_int(v) or v < 0):
+        raise APIError(f"{name} must be an integer >= 0, got {v!r}", param=name)
+
+
+def include_usage(body: dict) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise APIError("stream_options must be an object", param="stream_options")
+    check_fields(check_stream_options, so)
+    return bool(so.get("include_usage"))
+
+
+def usage(items: list[Item], finals: list[RequestEvent]) -> dict[str, int]:
+    """Prompt tokens once per prompt (not per sample), completion tokens of every sample."""
+    seen: set[int] = set()
+    prompt = 0
+    for it in items:
+        if it.prompt_index not in seen:
+            seen.add(it.prompt_index)
+            prompt += len(it.input_ids)
+    completion = sum(len(f.output_ids or []) for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish(fr: Any) -> tuple[str | None, Any]:
     """SGLang finish_reason dict -> (OpenAI finish_reason, matched_stop)."""
     if not isinstance(fr, dict):
         return None, None
@@ -40,365 +188,313 @@ def _finish(fr: Any) -> tuple[str | None, Any]:
     return kind, None
 
 
-def register_openai_routes(app: FastAPI, state: Any) -> None:
-    from bicache_sgl.server.app import ORJSONResponse, SSE_DONE, sse, stream_text
+def token_text(state: ServerState, entry: list) -> str:
+    t = entry[2] if len(entry) > 2 else None
+    return t if isinstance(t, str) else state.decode_token(int(entry[1]))
 
-    def model_card() -> dict[str, Any]:
-        return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "sglang",
-                "root": state.served_model_name, "parent": None, "max_model_len": state.context_length}
 
-    def known_names() -> set[str]:
-        names = {state.served_model_name, state.model_path, "default"}
-        if state.model_path:
-            names.add(os.path.basename(os.path.normpath(state.model_path)))
-        return {n for n in names if n}
+def completion_logprobs(state: ServerState, entries: list, tops: list | None, offset0: int) -> dict[str, Any]:
+    tokens, lps, top_out, offsets = [], [], [], []
+    off = offset0
+    for k, e in enumerate(entries):
+        t = token_text(state, e)
+        tokens.append(t)
+        lps.append(e[0])
+        offsets.append(off)
+        off += len(t)
+        top = tops[k] if tops is not None and k < len(tops) else None
+        top_out.append({token_text(state, x): x[0] for x in top} if top else None)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_out, "text_offset": offsets}
 
-    def check_model(name: Any) -> None:
-        if name is None or name == "":
-            return
-        if not isinstance(name, str):
-            raise APIError("model must be a string", param="model")
-        if name not in known_names():
-            raise APIError(f"The model '{name}' does not exist; this server serves '{state.served_model_name}'.",
-                           status=404, err_type="invalid_request_error", code="model_not_found", param="model")
 
-    @app.get("/v1/models")
-    async def list_models():
-        return ORJSONResponse({"object": "list", "data": [model_card()]})
+def chat_logprobs(state: ServerState, entries: list, tops: list | None) -> dict[str, Any]:
+    content = []
+    for k, e in enumerate(entries):
+        t = token_text(state, e)
+        top = tops[k] if tops is not None and k < len(tops) else None
+        content.append({
+            "token": t, "bytes": list(t.encode("utf-8")), "logprob": e[0],
+            "top_logprobs": [{"token": token_text(state, x), "bytes": list(token_text(state, x).encode("utf-8")),
+                              "logprob": x[0]} for x in (top or [])],
+        })
+    return {"content": content}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str):
-        check_model(model_id)
-        return ORJSONResponse(model_card())
 
-    # -- shared helpers -------------------------------------------------------------------
-    def sampling_dict(body: dict, max_key_value: Any, default_max: int | None) -> dict[str, Any]:
-        sp: dict[str, Any] = {}
-        for k in _PASSTHROUGH:
-            if body.get(k) is not None:
-                sp[k] = body[k]
-        if max_key_value is not None:
-            sp["max_new_tokens"] = max_key_value
-        elif default_max is not None:
-            sp["max_new_tokens"] = default_max
-        if body.get("min_tokens") is not None:
-            sp["min_new_tokens"] = body["min_tokens"]
-        return sp
+async def collect(state: ServerState, sub: Submission, request: Request) -> list[RequestEvent] | None:
+    """Every final event, or None when the client went away."""
+    finals: list[RequestEvent | None] = [None] * len(sub.items)
+    async for i, ev in sub.events(request.is_disconnected):
+        if ev.finished:
+            finals[i] = ev
+    if any(f is None for f in finals):
+        return None
+    done: list[RequestEvent] = finals  # type: ignore[assignment]  # every entry is set (checked above)
+    raise_if_failed(done)
+    state.check_not_aborted_by_shutdown(done)
+    return done
 
-    def make_items(id_lists: list[list[int]], sp: dict, explicit_max: bool, lp: LogprobOptions) -> list[Item]:
-        params, explicit = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
-        explicit = explicit_max
-        check_batch_size(len(id_lists) * params.n, state.args.max_batch_size,
-                         "sequences (prompts x n)" if params.n > 1 else "prompts")
-        items = []
-        for pi, ids in enumerate(id_lists):
-            p = check_length(len(ids), params, explicit, state.context_length, state.args.block_length)
-            n = p.n
-            base = p.replace(n=1) if n > 1 else p
-            for j in range(n):
-                items.append(Item(input_ids=list(ids), params=base, logprob=lp, prompt_index=pi, sample_index=j))
-        return items
 
-    def check_logprob_count(v: Any, name: str) -> int:
-        if not is_int(v) or v < 0 or v > MAX_TOP_LOGPROBS:
-            raise APIError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {v!r}", param=name)
-        return v
+@dataclass
+class Job:
+    """One accepted OpenAI request: what its answer needs besides the events."""
 
-    def check_bool(body: dict, key: str) -> bool:
-        v = body.get(key)
-        if v is None:
-            return False
-        if not isinstance(v, bool):
-            raise APIError(f"{key} must be a boolean, got {v!r}", param=key)
-        return v
+    state: ServerState
+    sub: Submission
+    items: list[Item]
+    object_type: str  # "text_completion" | "chat.completion"
+    rid: str
+    created: int = field(default_factory=lambda: int(time.time()))
 
-    def include_usage(body: dict) -> bool:
-        so = body.get("stream_options")
-        if so is None:
-            return False
-        if not isinstance(so, dict):
-            raise APIError("stream_options must be an object", param="stream_options")
-        return bool(so.get("include_usage"))
+    @property
+    def model(self) -> str:
+        return self.state.served_model_name
 
-    def usage(items: list[Item], finals: list[Any]) -> dict[str, int]:
-        seen: set[int] = set()
-        prompt = 0
-        for it in items:
-            if it.prompt_index not in seen:
-                seen.add(it.prompt_index)
-                prompt += len(it.input_ids)
-        completion = sum(len(f.output_ids or []) for f in finals if f is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def envelope(self, choices: list[dict], usage_: dict | None, obj: str | None = None) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj or self.object_type, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_}
 
-    def token_text(entry: list) -> str:
-        t = entry[2] if len(entry) > 2 else None
-        return t if isinstance(t, str) else state.decode_token(int(entry[1]))
 
-    def completion_logprobs(entries: list, tops: list | None, offset0: int) -> dict[str, Any]:
-        tokens, lps, top_out, offsets = [], [], [], []
-        off = offset0
-        for k, e in enumerate(entries):
-            t = token_text(e)
-            tokens.append(t)
-            lps.append(e[0])
-            offsets.append(off)
-            off += len(t)
-            top = tops[k] if tops is not None and k < len(tops) else None
-            top_out.append({token_text(x): x[0] for x in top} if top else None)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_out, "text_offset": offsets}
+# ---------------------------------------------------------------------------------------------
+# /v1/completions
+# ---------------------------------------------------------------------------------------------
 
-    def chat_logprobs(entries: list, tops: list | None) -> dict[str, Any]:
-        content = []
-        for k, e in enumerate(entries):
-            t = token_text(e)
-            top = tops[k] if tops is not None and k < len(tops) else None
-            content.append({
-                "token": t, "bytes": list(t.encode("utf-8")), "logprob": e[0],
-                "top_logprobs": [{"token": token_text(x), "bytes": list(token_text(x).encode("utf-8")),
-                                  "logprob": x[0]} for x in (top or [])],
-            })
-        return {"content": content}
-
-    def meta_of(ev: Any) -> dict:
-        return dict(getattr(ev, "meta_info", None) or {})
-
-    async def collect(sub, request: Request) -> list[Any] | None:
-        finals: list[Any] = [None] * len(sub.items)
-        async for i, ev in sub.events(request.is_disconnected):
-            if ev.finished:
-                finals[i] = ev
-        if any(f is None for f in finals):
-            return None
-        for f in finals:
-            if getattr(f, "error", None):
-                raise APIError(f"generation failed: {f.error}", status=500, err_type="InternalServerError")
-        state.check_not_aborted_by_shutdown(finals)
-        return finals
-
-    def stream_error(ev: Any) -> bytes:
-        return sse({"error": {"message": str(ev.error), "type": "InternalServerError", "code": 500}})
-
-    # -- /v1/completions --------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = require_object(parse_json_body(await request.body()))
-        check_model(body.get("model"))
-        prompt = body.get("prompt")
-        prompt_texts: list[str | None]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError("prompt is empty", param="prompt")
-            prompt_texts = [prompt]
-            id_lists = [state.tokenize(prompt)]
-        elif isinstance(prompt, list) and prompt:
-            if not all(is_int(p) for p in prompt):  # a list of prompts: bounded before tokenizing
-                check_batch_size(len(prompt), state.args.max_batch_size)
-            if all(isinstance(p, str) for p in prompt):
-                if any(p == "" for p in prompt):
-                    raise APIError("prompt contains an empty string", param="prompt")
-                prompt_texts = list(prompt)
-                id_lists = [state.tokenize(p) for p in prompt]
-            elif all(is_int(p) for p in prompt):
-                id_lists = [check_token_ids(prompt, state.vocab_size, "prompt")]
-                prompt_texts = [None]
-            elif all(isinstance(p, list) for p in prompt):
-                id_lists = [check_token_ids(p, state.vocab_size, "prompt") for p in prompt]
-                prompt_texts = [None] * len(prompt)
-            else:
-                raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                               "lists of token ids", param="prompt")
+def completion_prompts(state: ServerState, prompt: Any) -> tuple[list[str | None], list[list[int]]]:
+    """``prompt`` (str, [str], [int] or [[int]]) -> (texts or None per prompt, token ids per prompt)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError("prompt is empty", param="prompt")
+        texts: list[str | None] = [prompt]
+        id_lists = [state.tokenize(prompt)]
+    elif isinstance(prompt, list) and prompt:
+        if not all(is_int(p) for p in prompt):  # a list of prompts: bounded before tokenizing
+            check_batch_size(len(prompt), state.args.max_batch_size)
+        if all(isinstance(p, str) for p in prompt):
+            if any(p == "" for p in prompt):
+                raise APIError("prompt contains an empty string", param="prompt")
+            texts = list(prompt)
+            id_lists = [state.tokenize(p) for p in prompt]
+        elif all(is_int(p) for p in prompt):
+            id_lists = [check_token_ids(prompt, state.vocab_size, "prompt")]
+            texts = [None]
+        elif all(isinstance(p, list) for p in prompt):
+            id_lists = [check_token_ids(p, state.vocab_size, "prompt") for p in prompt]
+            texts = [None] * len(prompt)
         else:
-            raise APIError("prompt must be a non-empty string or list", param="prompt")
-        if any(not ids for ids in id_lists):
-            raise APIError("the prompt tokenizes to nothing", param="prompt")
-        if body.get("suffix"):
-            raise APIError("suffix is not supported", param="suffix")
+            raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                           "lists of token ids", param="prompt")
+    else:
+        raise APIError("prompt must be a non-empty string or list", param="prompt")
+    if any(not ids for ids in id_lists):
+        raise APIError("the prompt tokenizes to nothing", param="prompt")
+    return texts, id_lists
+
+
+@dataclass
+class CompletionJob(Job):
+    texts: list[str] = field(default_factory=list)  # prompt text per prompt (for echo)
+    echo: bool = False
+    logprobs: int | None = None
+
+    def logprobs_for(self, meta: dict, start_out: int, with_input: bool) -> dict[str, Any] | None:
+        """OpenAI ``logprobs`` of output entries from ``start_out`` (and the prompt's, for echo)."""
+        if self.logprobs is None:
+            return None
+        entries: list = []
+        tops: list = []
+        if with_input:
+            inp = meta.get("input_token_logprobs") or []
+            entries += inp
+            tops += (meta.get("input_top_logprobs") or [None] * len(inp))[:len(inp)]
+        out = (meta.get("output_token_logprobs") or [])[start_out:]
+        out_tops = meta.get("output_top_logprobs")
+        entries += out
+        tops += out_tops[start_out:] if out_tops else [None] * len(out)
+        return completion_logprobs(self.state, entries, tops, 0)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = get_state(request)
+    body = require_object(parse_json_body(await request.body()))
+    check_fields(check_completion_body, body)
+    check_model(state, body.get("model"))
+    texts, id_lists = completion_prompts(state, body.get("prompt"))
+    max_tokens = body.get("max_tokens")
+    check_max_tokens(max_tokens, "max_tokens")
+    echo = check_bool(body, "echo")
+    stream = check_bool(body, "stream")
+    want_usage = include_usage(body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = check_logprob_count(logprobs, "logprobs")
+    sp = sampling_dict(body, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    lp = LogprobOptions(return_logprob=logprobs is not None,
+                        logprob_start_len=0 if (echo and logprobs is not None) else -1,
+                        top_logprobs_num=logprobs or 0, return_text_in_logprobs=logprobs is not None)
+    # max_tokens always counts as given: OpenAI's default (16) is a real limit, never shortened
+    items = make_items(state, id_lists, sp, True, lp)
+    sub = state.new_submission(items)
+    job = CompletionJob(state=state, sub=sub, items=items, object_type="text_completion", rid=f"cmpl-{uuid.uuid4().hex}",
+                        texts=[p if p is not None else state.tokenizer.decode(ids) for p, ids in zip(texts, id_lists)],
+                        echo=echo, logprobs=logprobs)
+    await sub.submit()
+    if stream:
+        return StreamingResponse(completion_stream(job, request, want_usage), media_type="text/event-stream",
+                                 headers=STREAM_HEADERS)
+    finals = await collect(state, sub, request)
+    if finals is None:
+        return ORJSONResponse({}, status_code=499)
+    choices = []
+    for i, (item, ev) in enumerate(zip(items, finals)):
+        meta = dict(ev.meta_info or {})
+        reason, matched = finish(ev.finish_reason or meta.get("finish_reason"))
+        prefix = job.texts[item.prompt_index] if echo else ""
+        choices.append({"index": i, "text": prefix + (ev.text or ""), "logprobs": job.logprobs_for(meta, 0, echo),
+                        "finish_reason": reason, "matched_stop": matched})
+    return ORJSONResponse(job.envelope(choices, usage(items, finals)))
+
+
+async def completion_stream(job: CompletionJob, request: Request, want_usage: bool) -> AsyncIterator[bytes]:
+    """Text deltas per choice; ``finish_reason`` on each choice's last chunk; usage last if asked."""
+    items = job.items
+    sent = [0] * len(items)
+    sent_lp = [0] * len(items)
+    started = [False] * len(items)
+    finals: list[RequestEvent | None] = [None] * len(items)
+    async for i, ev in job.sub.events(request.is_disconnected):
+        if ev.error:
+            yield sse_error(str(ev.error))
+            continue
+        item = items[i]
+        text = stream_text(item, ev)
+        delta = text[sent[i]:]
+        first = not started[i]
+        if job.echo and first:
+            delta = job.texts[item.prompt_index] + delta
+        if not delta and not ev.finished:
+            continue
+        meta = dict(ev.meta_info or {})
+        n_out = len(meta.get("output_token_logprobs") or [])
+        lps = None
+        if job.logprobs is not None and (n_out > sent_lp[i] or (job.echo and first) or ev.finished):
+            lps = job.logprobs_for(meta, sent_lp[i], job.echo and first)
+            sent_lp[i] = n_out
+        reason, matched = finish(ev.finish_reason) if ev.finished else (None, None)
+        sent[i] = len(text)
+        started[i] = True
+        if ev.finished:
+            finals[i] = ev
+        yield sse(job.envelope([{"index": i, "text": delta, "logprobs": lps, "finish_reason": reason,
+                                 "matched_stop": matched}], None))
+    if job.sub.disconnected:
+        return
+    if want_usage and all(f is not None for f in finals):
+        yield sse(job.envelope([], usage(items, finals)))  # type: ignore[arg-type]  # all set (checked)
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ChatJob(Job):
+    want_lp: bool = False
+
+    def logprobs_for(self, meta: dict, start: int) -> dict[str, Any] | None:
+        if not self.want_lp:
+            return None
+        out = (meta.get("output_token_logprobs") or [])[start:]
+        tops = meta.get("output_top_logprobs")
+        return chat_logprobs(self.state, out, tops[start:] if tops else None)
+
+    def chunk(self, i: int, delta: dict, reason: str | None = None, matched: Any = None,
+              lps: dict | None = None) -> bytes:
+        return sse(self.envelope([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason,
+                                   "matched_stop": matched}], None, "chat.completion.chunk"))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = get_state(request)
+    body = require_object(parse_json_body(await request.body()))
+    check_fields(check_chat_body, body)
+    check_model(state, body.get("model"))
+    messages = normalize_messages(body.get("messages"))
+    cont = check_bool(body, "continue_final_message")
+    check_bool(body, "separate_reasoning")
+    check_bool(body, "stream_reasoning")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise APIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    prompt_text = render_chat(state.tokenizer, messages, state.chat_template, continue_final_message=cont,
+                              extra_kwargs=kwargs)
+    ids = state.tokenize_rendered(prompt_text)
+    if not ids:
+        raise APIError("the rendered conversation is empty", param="messages")
+    max_tokens = body.get("max_completion_tokens")
+    check_max_tokens(max_tokens, "max_completion_tokens")
+    if max_tokens is None:
         max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 0):
-            raise APIError(f"max_tokens must be an integer >= 0, got {max_tokens!r}", param="max_tokens")
-        echo = check_bool(body, "echo")
-        stream = check_bool(body, "stream")
-        logprobs = body.get("logprobs")
-        if logprobs is not None:
-            logprobs = check_logprob_count(logprobs, "logprobs")
-        sp = sampling_dict(body, max_tokens, 16)
-        lp = LogprobOptions(return_logprob=logprobs is not None,
-                            logprob_start_len=0 if (echo and logprobs is not None) else -1,
-                            top_logprobs_num=logprobs or 0, return_text_in_logprobs=logprobs is not None)
-        items = make_items(id_lists, sp, True, lp)
-        texts = [p if p is not None else state.tokenizer.decode(ids) for p, ids in zip(prompt_texts, id_lists)]
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = state.served_model_name
-        sub = state.new_submission(items)
-        await sub.submit()
+        check_max_tokens(max_tokens, "max_tokens")
+    want_lp = check_bool(body, "logprobs")
+    top = body.get("top_logprobs")
+    top = 0 if top is None else check_logprob_count(top, "top_logprobs")
+    if top and not want_lp:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    stream = check_bool(body, "stream")
+    want_usage = include_usage(body)
+    sp = sampling_dict(body, max_tokens, None)
+    lp = LogprobOptions(return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top,
+                        return_text_in_logprobs=want_lp)
+    items = make_items(state, [ids], sp, max_tokens is not None, lp)
+    sub = state.new_submission(items)
+    job = ChatJob(state=state, sub=sub, items=items, object_type="chat.completion", rid=f"chatcmpl-{uuid.uuid4().hex}",
+                  want_lp=want_lp)
+    await sub.submit()
+    if stream:
+        return StreamingResponse(chat_stream(job, request, want_usage), media_type="text/event-stream",
+                                 headers=STREAM_HEADERS)
+    finals = await collect(state, sub, request)
+    if finals is None:
+        return ORJSONResponse({}, status_code=499)
+    choices = []
+    for i, ev in enumerate(finals):
+        meta = dict(ev.meta_info or {})
+        reason, matched = finish(ev.finish_reason or meta.get("finish_reason"))
+        choices.append({"index": i,
+                        "message": {"role": "assistant", "content": ev.text or "", "reasoning_content": None,
+                                    "tool_calls": None},
+                        "logprobs": job.logprobs_for(meta, 0), "finish_reason": reason, "matched_stop": matched})
+    return ORJSONResponse(job.envelope(choices, usage(items, finals)))
 
-        def logprobs_for(item: Item, meta: dict, start_out: int, end_out: int | None, with_input: bool,
-                         offset0: int):
-            if logprobs is None:
-                return None
-            entries, tops = [], []
-            if with_input:
-                inp = meta.get("input_token_logprobs") or []
-                entries += inp
-                tops += (meta.get("input_top_logprobs") or [None] * len(inp))[:len(inp)]
-            out = (meta.get("output_token_logprobs") or [])[start_out:end_out]
-            out_tops = (meta.get("output_top_logprobs") or [None] * len(out))
-            out_tops = out_tops[start_out:end_out] if meta.get("output_top_logprobs") else [None] * len(out)
-            entries += out
-            tops += out_tops
-            return completion_logprobs(entries, tops, offset0)
 
-        if not stream:
-            finals = await collect(sub, request)
-            if finals is None:
-                return ORJSONResponse({}, status_code=499)
-            choices = []
-            for i, (item, ev) in enumerate(zip(items, finals)):
-                meta = meta_of(ev)
-                reason, matched = _finish(ev.finish_reason or meta.get("finish_reason"))
-                prefix = texts[item.prompt_index] if echo else ""
-                choices.append({"index": i, "text": prefix + (ev.text or ""),
-                                "logprobs": logprobs_for(item, meta, 0, None, echo, 0),
-                                "finish_reason": reason, "matched_stop": matched})
-            return ORJSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                   "choices": choices, "usage": usage(items, finals)})
-
-        want_usage = include_usage(body)
-
-        async def gen():
-            sent = [0] * len(items)
-            sent_lp = [0] * len(items)
-            started = [False] * len(items)
-            finals: list[Any] = [None] * len(items)
-            async for i, ev in sub.events(request.is_disconnected):
-                if getattr(ev, "error", None):
-                    yield stream_error(ev)
-                    continue
-                item = items[i]
-                text = stream_text(items[i], ev)
-                delta = text[sent[i]:]
-                first = not started[i]
-                if echo and first:
-                    delta = texts[item.prompt_index] + delta
-                if not delta and not ev.finished:
-                    continue
-                meta = meta_of(ev)
-                n_out = len(meta.get("output_token_logprobs") or [])
-                lps = None
-                if logprobs is not None and (n_out > sent_lp[i] or (echo and first) or ev.finished):
-                    lps = logprobs_for(item, meta, sent_lp[i], None, echo and first, 0)
-                    sent_lp[i] = n_out
-                reason, matched = _finish(ev.finish_reason) if ev.finished else (None, None)
-                sent[i] = len(text)
-                started[i] = True
-                if ev.finished:
-                    finals[i] = ev
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": i, "text": delta, "logprobs": lps, "finish_reason": reason,
-                                        "matched_stop": matched}], "usage": None})
-            if sub.disconnected:
-                return
-            if want_usage and all(f is not None for f in finals):
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": usage(items, finals)})
-            yield SSE_DONE
-
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    # -- /v1/chat/completions ---------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = require_object(parse_json_body(await request.body()))
-        check_model(body.get("model"))
-        messages = normalize_messages(body.get("messages"))
-        cont = check_bool(body, "continue_final_message")
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise APIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-        prompt_text = render_chat(state.tokenizer, messages, state.chat_template, continue_final_message=cont,
-                                  extra_kwargs=kwargs)
-        ids = state.tokenize_rendered(prompt_text)
-        if not ids:
-            raise APIError("the rendered conversation is empty", param="messages")
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 0):
-            raise APIError(f"max_tokens must be an integer >= 0, got {max_tokens!r}", param="max_tokens")
-        want_lp = check_bool(body, "logprobs")
-        top = body.get("top_logprobs")
-        top = 0 if top is None else check_logprob_count(top, "top_logprobs")
-        if top and not want_lp:
-            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        stream = check_bool(body, "stream")
-        sp = sampling_dict(body, max_tokens, None)
-        lp = LogprobOptions(return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top,
-                            return_text_in_logprobs=want_lp)
-        items = make_items([ids], sp, max_tokens is not None, lp)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = state.served_model_name
-        sub = state.new_submission(items)
-        await sub.submit()
-
-        def lp_for(meta: dict, start: int):
-            if not want_lp:
-                return None
-            out = (meta.get("output_token_logprobs") or [])[start:]
-            tops = meta.get("output_top_logprobs")
-            tops = tops[start:] if tops else None
-            return chat_logprobs(out, tops)
-
-        if not stream:
-            finals = await collect(sub, request)
-            if finals is None:
-                return ORJSONResponse({}, status_code=499)
-            choices = []
-            for i, ev in enumerate(finals):
-                meta = meta_of(ev)
-                reason, matched = _finish(ev.finish_reason or meta.get("finish_reason"))
-                choices.append({"index": i,
-                                "message": {"role": "assistant", "content": ev.text or "", "reasoning_content": None,
-                                            "tool_calls": None},
-                                "logprobs": lp_for(meta, 0), "finish_reason": reason, "matched_stop": matched})
-            return ORJSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                   "choices": choices, "usage": usage(items, finals)})
-
-        want_usage = include_usage(body)
-
-        def chunk(i: int, delta: dict, reason=None, matched=None, lps=None) -> bytes:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason,
-                                     "matched_stop": matched}], "usage": None})
-
-        async def gen():
-            sent = [0] * len(items)
-            sent_lp = [0] * len(items)
-            finals: list[Any] = [None] * len(items)
-            for i in range(len(items)):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for i, ev in sub.events(request.is_disconnected):
-                if getattr(ev, "error", None):
-                    yield stream_error(ev)
-                    continue
-                text = stream_text(items[i], ev)
-                delta = text[sent[i]:]
-                meta = meta_of(ev)
-                n_out = len(meta.get("output_token_logprobs") or [])
-                if delta or (want_lp and n_out > sent_lp[i]):
-                    yield chunk(i, {"content": delta}, lps=lp_for(meta, sent_lp[i]))
-                    sent[i] = len(text)
-                    sent_lp[i] = max(sent_lp[i], n_out)
-                if ev.finished:
-                    finals[i] = ev
-                    reason, matched = _finish(ev.finish_reason)
-                    yield chunk(i, {}, reason, matched)
-            if sub.disconnected:
-                return
-            if want_usage and all(f is not None for f in finals):
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": usage(items, finals)})
-            yield SSE_DONE
-
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+async def chat_stream(job: ChatJob, request: Request, want_usage: bool) -> AsyncIterator[bytes]:
+    """The role first, then content deltas, then exactly one chunk with ``finish_reason`` per choice."""
+    items = job.items
+    sent = [0] * len(items)
+    sent_lp = [0] * len(items)
+    finals: list[RequestEvent | None] = [None] * len(items)
+    for i in range(len(items)):
+        yield job.chunk(i, {"role": "assistant", "content": ""})
+    async for i, ev in job.sub.events(request.is_disconnected):
+        if ev.error:
+            yield sse_error(str(ev.error))
+            continue
+        text = stream_text(items[i], ev)
+        delta = text[sent[i]:]
+        meta = dict(ev.meta_info or {})
+        n_out = len(meta.get("output_token_logprobs") or [])
+        if delta or (job.want_lp and n_out > sent_lp[i]):
+            yield job.chunk(i, {"content": delta}, lps=job.logprobs_for(meta, sent_lp[i]))
+            sent[i] = len(text)
+            sent_lp[i] = max(sent_lp[i], n_out)
+        if ev.finished:
+            finals[i] = ev
+            reason, matched = finish(ev.finish_reason)
+            yield job.chunk(i, {}, reason, matched)
+    if job.sub.disconnected:
+        return
+    if want_usage and all(f is not None for f in finals):
+        yield sse(job.envelope([], usage(items, finals), "chat.completion.chunk"))  # type: ignore[arg-type]
+    yield SSE_DONE

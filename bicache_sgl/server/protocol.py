@@ -2,17 +2,20 @@
 
 Everything here is pure (no engine thread, no I/O): a request body becomes a list of
 :class:`Item` (one per engine request, ``n`` already expanded) or an :class:`APIError`
-carrying the 4xx status and message. ``null`` always means "default"; unknown keys are ignored.
+carrying the 4xx status and message. ``null`` always means "default". Which fields are
+implemented and which are refused is decided in :mod:`bicache_sgl.server.fields`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
 
 from bicache_sgl.config import SamplingParams
+from bicache_sgl.server.fields import FieldError, check_generate_body
 
 
 class APIError(Exception):
@@ -30,7 +33,7 @@ class APIError(Exception):
 
 _DEFAULT_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                   413: "RequestTooLargeError", 422: "UnprocessableEntityError", 503: "ServiceUnavailableError",
-                  500: "InternalServerError"}
+                  500: "InternalServerError", 501: "NotImplementedError"}
 
 
 def parse_json_body(body: bytes, *, allow_empty: bool = False) -> Any:
@@ -47,6 +50,11 @@ def parse_json_body(body: bytes, *, allow_empty: bool = False) -> Any:
         except UnicodeDecodeError:
             raise APIError("request body is not valid UTF-8") from None
         raise APIError(f"malformed JSON: {e}") from None
+
+
+def field_error(e: FieldError) -> APIError:
+    """A refused or unknown request field -> 400 naming it."""
+    return APIError(str(e), param=e.param)
 
 
 def require_object(obj: Any) -> dict:
@@ -104,8 +112,8 @@ def sampling_params_from(d: Any, defaults: Mapping[str, Any] | None = None, *,
             raise APIError(f"max_new_tokens must be >= 0, got {v}", param="max_new_tokens")
     try:
         params = SamplingParams.from_dict(merged)
-    except (ValueError, TypeError) as e:
-        raise APIError(str(e)) from None
+    except (ValueError, TypeError) as e:  # names the field (unknown, refused or a bad value)
+        raise APIError(str(e), param="sampling_params") from None
     # checked on the parsed values: JSON integers past 64 bits, and 1e15, arrive as floats and
     # become ints only in from_dict (an unchecked n = 1e15 would expand into 1e15 requests)
     if params.n > max_n:
@@ -134,6 +142,7 @@ class Item:
     prompt_index: int = 0  # which prompt of the batch
     sample_index: int = 0  # which of the n samples
     extra: dict = field(default_factory=dict)
+    log_metrics: bool = True  # counted in /metrics and /server_info (SGLang's log_metrics)
 
 
 def _per_prompt(value: Any, n_prompts: int, name: str, batch: bool) -> list[Any]:
@@ -223,9 +232,11 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
     """Validate a ``/generate`` body and expand it into engine items (prompt-major, then sample).
     ``max_batch_size`` bounds the number of prompts x samples, checked before tokenizing."""
     obj = require_object(body)
+    try:
+        check_generate_body(obj)
+    except FieldError as e:
+        raise field_error(e) from None
     text, input_ids = obj.get("text"), obj.get("input_ids")
-    if obj.get("input_embeds") is not None:
-        raise APIError("input_embeds is not supported")
     if text is not None and input_ids is not None:
         raise APIError("send either text or input_ids, not both")
     if text is None and input_ids is None:
@@ -261,6 +272,10 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
     tl_list = _per_prompt(obj.get("top_logprobs_num"), n_prompts, "top_logprobs_num", batch)
     tx_list = _per_prompt(obj.get("return_text_in_logprobs"), n_prompts, "return_text_in_logprobs", batch)
     depth_list = _per_prompt(obj.get("bicache_depth"), n_prompts, "bicache_depth", batch)
+    log_list = _per_prompt(obj.get("log_metrics"), n_prompts, "log_metrics", batch)
+    for v in log_list:
+        if v is not None and not isinstance(v, bool):
+            raise APIError(f"log_metrics must be a boolean, got {v!r}", param="log_metrics")
     for d in depth_list:
         if d is not None and (not is_int(d) or d < 0):
             raise APIError(f"bicache_depth must be an integer >= 0, got {d!r}", param="bicache_depth")
@@ -293,5 +308,5 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
                 r = f"{r}-{j}"
             extra = {"bicache_depth": depth_list[i]} if depth_list[i] is not None else {}
             items.append(Item(input_ids=list(ids), params=base, logprob=lp, rid=r, prompt_index=i, sample_index=j,
-                              extra=extra))
+                              extra=extra, log_metrics=log_list[i] is not False))
     return GenerateInput(items=items, batch=batch or any_n, stream=stream)

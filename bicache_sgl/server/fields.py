@@ -1,0 +1,219 @@
+"""Which request fields this server implements, and which it refuses.
+
+The rule (docs/server.md, "Parameters"): every field of SGLang's and OpenAI's request schemas is
+either implemented, accepted as pure metadata, or refused with a 400 that names it. A refused
+field is still accepted when its value asks for nothing (``null`` or the schema's no-op default),
+because clients send those defaults on every call. Nothing is accepted and then ignored.
+
+This module imports nothing from the rest of the server; callers turn :class:`FieldError` into
+their error answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bicache_sgl.config import SamplingParams
+
+
+class FieldError(ValueError):
+    """A request field that is unknown or asks for something not implemented."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field this server does not implement. ``noops``: values that ask for nothing;
+    ``ok``: a predicate for no-op values that a list cannot express (e.g. ``tool_choice:
+    "auto"`` without tools); ``why``: what the field would need."""
+
+    why: str
+    noops: tuple[Any, ...] = ()
+    ok: Callable[[Any, Mapping[str, Any]], bool] | None = None
+
+
+def _same(value: Any, noop: Any) -> bool:
+    # 0 == 0.0, but False is not 0 and True is not 1
+    return isinstance(value, bool) == isinstance(noop, bool) and value == noop
+
+
+def check_refused(name: str, value: Any, spec: Refused, body: Mapping[str, Any], where: str = "") -> None:
+    """Raise FieldError unless ``value`` asks for nothing."""
+    if value is None or any(_same(value, d) for d in spec.noops):
+        return
+    if spec.ok is not None and spec.ok(value, body):
+        return
+    shown = "".join(f" or {json.dumps(d)}" for d in spec.noops)
+    raise FieldError(where + name, f"{where}{name} is not supported ({spec.why}): remove the field or set it to null{shown}")
+
+
+def check_body(body: Mapping[str, Any], implemented: frozenset[str], metadata: frozenset[str],
+               refused: Mapping[str, Refused], *, unknown: str, where: str = "") -> None:
+    """Check every key of ``body``: implemented and metadata keys pass, refused keys pass only
+    with a no-op value, and an unknown key raises (``unknown="refuse"``) or passes
+    (``unknown="ignore"``)."""
+    for key, value in body.items():
+        if key in implemented or key in metadata:
+            continue
+        spec = refused.get(key)
+        if spec is not None:
+            check_refused(key, value, spec, body, where)
+        elif unknown == "refuse":
+            raise FieldError(where + key, f"{where}{key} is not a field of this API; remove it (docs/server.md lists the "
+                                  "fields this server implements)")
+
+
+def _none_or_all_none(value: Any, body: Mapping[str, Any]) -> bool:
+    return isinstance(value, list) and all(v is None for v in value)
+
+
+def _empty_list(value: Any, body: Mapping[str, Any]) -> bool:
+    return value == []
+
+
+def _only_text(value: Any, body: Mapping[str, Any]) -> bool:
+    return value == [] or value == ["text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# native /generate: top-level keys of SGLang's GenerateReqInput (sampling_params is checked by
+# SamplingParams.from_dict). Unknown top-level keys are ignored: SGLang's own clients add new
+# metadata keys from version to version (lora_path, sampling_seed, return_routed_experts ...).
+# ---------------------------------------------------------------------------------------------
+
+GENERATE_IMPLEMENTED = frozenset({
+    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "return_text_in_logprobs", "stream", "log_metrics", "bicache_depth",
+})
+GENERATE_METADATA = frozenset({"conversation_id", "label"})
+_MULTIMODAL = "this server serves a text-only model"
+_PD = "prefill/decode disaggregation"
+GENERATE_REFUSED: dict[str, Refused] = {
+    "input_embeds": Refused("prompts are token ids or text, not embeddings"),
+    "image_data": Refused(_MULTIMODAL, ([],), _none_or_all_none),
+    "video_data": Refused(_MULTIMODAL, ([],), _none_or_all_none),
+    "audio_data": Refused(_MULTIMODAL, ([],), _none_or_all_none),
+    "modalities": Refused(_MULTIMODAL, ([],), _only_text),
+    "token_ids_logprob": Refused("logprobs of chosen token ids; use top_logprobs_num"),
+    "return_hidden_states": Refused("hidden states are not returned", (False,)),
+    "return_routed_experts": Refused("the models served here have no experts", (False,)),
+    "return_bytes": Refused("text is returned as a string", (False,)),
+    "session_params": Refused("sessions"),
+    "lora_path": Refused("LoRA adapters", (), _none_or_all_none),
+    "lora_id": Refused("LoRA adapters", (), _none_or_all_none),
+    "custom_logit_processor": Refused("custom logit processors"),
+    "bootstrap_host": Refused(_PD),
+    "bootstrap_port": Refused(_PD),
+    "bootstrap_room": Refused(_PD),
+    "bootstrap_pair_key": Refused(_PD),
+    "data_parallel_rank": Refused("data parallelism; there is one rank", (0,)),
+    "background": Refused("background requests", (False,)),
+    "priority": Refused("priority scheduling"),
+    "sampling_seed": Refused("a top-level seed; set sampling_params.seed instead"),
+}
+
+
+def check_generate_body(body: Mapping[str, Any]) -> None:
+    """Top-level keys of a /generate body (see the tables above)."""
+    check_body(body, GENERATE_IMPLEMENTED, GENERATE_METADATA, GENERATE_REFUSED, unknown="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI /v1/completions and /v1/chat/completions: OpenAI's request schema plus SGLang's extras.
+# Unknown keys are refused, as OpenAI's own API does.
+# ---------------------------------------------------------------------------------------------
+
+# passed into sampling_params as they are (SGLang extras and the diffusion knobs)
+SAMPLING_PASSTHROUGH = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+                        "skip_special_tokens", "seed", "n", "block_length", "steps", "steps_per_block", "threshold",
+                        "remasking", "cfg_scale", "cache_mode", "refresh_interval")
+
+_COMMON_IMPLEMENTED = frozenset({"model", "max_tokens", "min_tokens", "stream", "stream_options", "logprobs",
+                                 *SAMPLING_PASSTHROUGH})
+COMPLETION_IMPLEMENTED = _COMMON_IMPLEMENTED | {"prompt", "echo"}
+CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {"messages", "max_completion_tokens", "top_logprobs",
+                                          "continue_final_message", "chat_template_kwargs",
+                                          # without a reasoning parser there is nothing to separate:
+                                          # the whole text is the content, which is what both
+                                          # values of these flags give then (as in SGLang)
+                                          "separate_reasoning", "stream_reasoning"}
+# identify the caller; they change nothing in the answer, by design
+COMPLETION_METADATA = frozenset({"user"})
+CHAT_METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+
+
+def _sampling_refused(key: str) -> Refused:
+    noops, why = SamplingParams.UNSUPPORTED[key]
+    return Refused(why, noops)
+
+
+def _no_tools(body: Mapping[str, Any]) -> bool:
+    return not body.get("tools") and not body.get("functions")
+
+
+_CONSTRAINED = "constrained decoding"
+_COMMON_REFUSED: dict[str, Refused] = {
+    **{k: _sampling_refused(k) for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
+                                         "logit_bias", "regex", "json_schema", "ebnf", "no_stop_trim",
+                                         "spaces_between_special_tokens")},
+    "response_format": Refused(_CONSTRAINED + "; only {\"type\": \"text\"} is served", ({"type": "text"},)),
+    "lora_path": Refused("LoRA adapters", (), _none_or_all_none),
+    "session_params": Refused("sessions"),
+    "return_hidden_states": Refused("hidden states are not returned", (False,)),
+    "rid": Refused("caller-chosen request ids on /v1 routes; use /generate"),
+    "bootstrap_host": Refused(_PD),
+    "bootstrap_port": Refused(_PD),
+    "bootstrap_room": Refused(_PD),
+}
+COMPLETION_REFUSED: dict[str, Refused] = {
+    **_COMMON_REFUSED,
+    "best_of": Refused("server-side best-of sampling; use n", (1,)),
+    "suffix": Refused("insertion (suffix) prompts", ("",)),
+}
+CHAT_REFUSED: dict[str, Refused] = {
+    **_COMMON_REFUSED,
+    "tools": Refused("tool calling", ([],)),
+    "functions": Refused("function calling", ([],)),
+    "tool_choice": Refused("tool calling", ("none",), lambda v, body: v == "auto" and _no_tools(body)),
+    "function_call": Refused("function calling", ("none",), lambda v, body: v == "auto" and _no_tools(body)),
+    # only means something together with tools, which are refused
+    "parallel_tool_calls": Refused("tool calling", (True, False)),
+    "audio": Refused("audio output; this server serves a text-only model"),
+    "modalities": Refused("this server serves a text-only model", ([],), _only_text),
+    "prediction": Refused("predicted outputs"),
+    "reasoning_effort": Refused("reasoning models"),
+    "reasoning": Refused("reasoning models"),
+    "verbosity": Refused("verbosity control"),
+    "web_search_options": Refused("web search"),
+    "store": Refused("storing completions", (False,)),
+    "service_tier": Refused("service tiers; there is one", ("auto", "default")),
+    "moderation": Refused("moderation"),
+    "prompt_cache_retention": Refused("prompt cache retention; the prefix cache evicts by LRU"),
+    "prompt_cache_options": Refused("prompt cache options; the prefix cache is automatic"),
+}
+
+
+def check_completion_body(body: Mapping[str, Any]) -> None:
+    check_body(body, COMPLETION_IMPLEMENTED, COMPLETION_METADATA, COMPLETION_REFUSED, unknown="refuse")
+
+
+def check_chat_body(body: Mapping[str, Any]) -> None:
+    check_body(body, CHAT_IMPLEMENTED, CHAT_METADATA, CHAT_REFUSED, unknown="refuse")
+
+
+STREAM_OPTIONS_IMPLEMENTED = frozenset({"include_usage"})
+STREAM_OPTIONS_REFUSED: dict[str, Refused] = {
+    "continuous_usage_stats": Refused("usage on every chunk; use include_usage", (False,)),
+    "include_obfuscation": Refused("stream obfuscation padding", (False,)),
+}
+
+
+def check_stream_options(so: Mapping[str, Any]) -> None:
+    check_body(so, STREAM_OPTIONS_IMPLEMENTED, frozenset(), STREAM_OPTIONS_REFUSED, unknown="refuse",
+               where="stream_options.")

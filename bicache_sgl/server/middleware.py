@@ -1,0 +1,123 @@
+"""The ASGI middleware in front of every route: API key, shutdown 503, body size limit, and
+per-route status counts for /metrics."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bicache_sgl.server.protocol import APIError
+from bicache_sgl.server.responses import dumps, error_body
+from bicache_sgl.server.state import ServerState
+
+# never need the API key (SGLang's auth.py does the same): probes and scrapers have no key
+OPEN_PATHS = ("/health", "/health_generate", "/ready", "/metrics")
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class AuthAndCount:
+    """Pure ASGI middleware (no response buffering, streams untouched): the API key check and
+    per-route status counts for /metrics."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app = app
+        self.state = state
+        self._routes: set[str] | None = None
+
+    def _route_label(self, scope: dict) -> str:
+        # a bounded label set: unknown paths are "other", so scanners cannot grow /metrics
+        if self._routes is None:
+            app = scope.get("app")
+            routes = app.router.routes if app is not None else []
+            self._routes = {r.path for r in routes if "{" not in r.path}
+        path = scope.get("path", "")
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model_id}"
+        return path if path in self._routes else "other"
+
+    async def _reject(self, scope: dict, send: Send, err: APIError) -> None:
+        body = dumps(error_body(scope.get("path", ""), err))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if err.status == 413:
+            headers.append((b"connection", b"close"))  # the unread body makes the connection unusable
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.state.metrics.on_http(self._route_label(scope), err.status)
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        key = self.state.args.api_key
+        if key and not path.startswith(OPEN_PATHS) and not authorized(scope, key):
+            await self._reject(scope, send, APIError("Unauthorized", status=401))
+            return
+        if self.state.draining and not path.startswith(OPEN_PATHS):
+            await self._reject(scope, send, APIError("the server is shutting down", status=503))
+            return
+        limit = self.state.args.max_request_bytes
+        if limit:
+            declared = _content_length(scope)
+            if declared is not None and declared > limit:
+                await self._reject(scope, send, _too_large(declared, limit))
+                return
+            receive = _limited_receive(receive, limit)
+        status = [500]
+
+        async def send_and_note(message: dict) -> None:
+            if message.get("type") == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.state.metrics.on_http(self._route_label(scope), status[0])
+
+
+def _too_large(size: int | None, limit: int) -> APIError:
+    got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return APIError(f"the request body is {got}; this server accepts at most {limit} bytes (--max-request-bytes)",
+                    status=413)
+
+
+def _content_length(scope: dict) -> int | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+def _limited_receive(receive: Receive, limit: int) -> Receive:
+    """``receive`` that fails with 413 once the body passes ``limit`` bytes (chunked uploads
+    carry no Content-Length to check up front). The APIError surfaces from the handler's
+    ``await request.body()`` and is answered by the APIError handler."""
+    seen = [0]
+
+    async def wrapped() -> dict:
+        message = await receive()
+        if message.get("type") == "http.request":
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > limit:
+                raise _too_large(None, limit)
+        return message
+
+    return wrapped
+
+
+def authorized(scope: dict, key: str) -> bool:
+    """``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``), compared in constant time."""
+    headers = {k.lower(): v for k, v in scope.get("headers", [])}
+    auth = headers.get(b"authorization", b"")
+    if auth[:7].lower() == b"bearer ":
+        given = auth[7:].strip()
+    else:
+        given = headers.get(b"x-api-key", b"").strip()
+    return bool(given) and hmac.compare_digest(given, key.encode("utf-8"))

@@ -1,0 +1,174 @@
+"""What every handler needs, reached as ``request.app.state.server``: the engine (through its typed
+interface), the args, tokenizer helpers, counters, readiness and the shutdown drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import Request
+
+from bicache_sgl.engine.interface import EngineClient
+from bicache_sgl.io_struct import RequestEvent
+from bicache_sgl.server.args import ServerArgs
+from bicache_sgl.server.bridge import Submission
+from bicache_sgl.server.chat import load_chat_template
+from bicache_sgl.server.metrics import Metrics
+from bicache_sgl.server.protocol import APIError, Item
+
+logger = logging.getLogger("bicache_sgl.server")
+
+
+class ServerState:
+    """Shared by all handlers of one app. Model facts (vocabulary, config) are read from the
+    engine when asked, so building the app touches nothing but the engine's name and length."""
+
+    def __init__(self, engine: EngineClient, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        self.model_path = str(engine.model_path or args.model_path or "")
+        self.tokenizer_path = args.tokenizer_path or self.model_path
+        self.served_model_name = args.served_model_name or self.model_path
+        self.context_length = engine.context_length
+        self.chat_template = load_chat_template(args.chat_template)
+        self.default_sampling = args.default_sampling_params()
+        self.metrics = Metrics(self.served_model_name)
+        self.ready = False
+        self.draining = False  # shutting down: new requests get 503, running ones finish or are aborted
+        self.created = int(time.time())
+        self.last_probe_ok = 0.0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    # -- tokenizer -------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Prompt text -> ids, special tokens added as the model expects (SGLang does the same)."""
+        return list(self.tokenizer.encode(text))
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """A chat-template output: its special tokens are already in the text."""
+        bos = self.tokenizer.bos_token
+        add = not (bos and text.startswith(bos))
+        return list(self.tokenizer.encode(text, add_special_tokens=add))
+
+    def decode_token(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    # -- accounting --------------------------------------------------------------------------
+    def record_finish(self, item: Item, ev: RequestEvent, elapsed: float, ttft: float | None = None) -> None:
+        if not item.log_metrics:
+            return
+        meta = dict(ev.meta_info or {})
+        meta.setdefault("completion_tokens", len(ev.output_ids or []))
+        meta.setdefault("finish_reason", ev.finish_reason)
+        self.metrics.on_finish(len(item.input_ids), meta, elapsed, ttft)
+
+    def new_submission(self, items: list[Item]) -> Submission:
+        """A :class:`Submission` whose finished requests are counted in the metrics."""
+        sub = Submission(self.engine, items)
+
+        def on_finish(i: int, ev: RequestEvent, elapsed: float) -> None:
+            self.record_finish(sub.items[i], ev, elapsed, sub.first_output[i])
+
+        sub._on_finish = on_finish
+        return sub
+
+    async def engine_stats(self) -> dict[str, Any]:
+        try:
+            return dict(await asyncio.to_thread(self.engine.get_stats) or {})
+        except Exception:  # an info route must answer even if the engine is broken
+            logger.exception("engine.get_stats() failed")
+            return {}
+
+    async def internal_state(self) -> dict[str, Any]:
+        """``internal_states[0]`` of /server_info."""
+        snap = self.metrics.snapshot()
+        tokens_per_forward = self.metrics.avg_tokens_per_forward
+        state: dict[str, Any] = {
+            "avg_tokens_per_forward": tokens_per_forward,
+            # alias: sglang.bench_serving and bench_one_batch_server read this SGLang name
+            # (speculative decoding's accept length) and print it as "Accept length"
+            "avg_spec_accept_length": tokens_per_forward,
+            "last_gen_throughput": self.metrics.gen_throughput(),
+            "num_requests_total": snap["num_requests_total"],
+            "prompt_tokens_total": snap["prompt_tokens_total"],
+            "generation_tokens_total": snap["generation_tokens_total"],
+            "cached_tokens_total": snap["cached_tokens_total"],
+            "token_cache_hit_rate": snap["cache_hit_rate"],
+            "forward_passes_total": snap["forward_passes_total"],
+            "prefix_cache": self.args.effective_prefix_cache(),
+        }
+        state.update(await self.engine_stats())
+        return state
+
+    async def engine_busy(self) -> int:
+        """Requests the engine is running or has queued."""
+        st = await self.engine_stats()
+        return int(st.get("num_running_reqs", 0) or 0) + int(st.get("num_waiting_reqs", 0) or 0)
+
+    async def shutdown_engine(self) -> None:
+        try:
+            await asyncio.to_thread(self.engine.shutdown)  # fails what is left, each with an event
+        except Exception:  # shutting down anyway
+            logger.exception("engine shutdown failed")
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown (SIGTERM/SIGINT), called before uvicorn closes the connections: new
+        requests get 503 from now on; running and queued requests get ``timeout`` seconds to
+        finish; whatever is still in the engine then is aborted ("server shutting down"), so
+        every client still gets an answer (a 503 error, or a stream that ends with an abort
+        finish_reason and [DONE]) instead of a cut connection."""
+        self.draining = True
+        self.ready = False
+        deadline = time.monotonic() + timeout
+        busy = await self.engine_busy()
+        while busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            busy = await self.engine_busy()
+        if busy:
+            logger.warning("shutting down: aborting %d request(s) still running after %.1f s", busy, timeout)
+        else:
+            logger.info("shutting down: no request in flight")
+        await self.shutdown_engine()
+
+    def check_not_aborted_by_shutdown(self, finals: list[RequestEvent]) -> None:
+        """Non-streaming answers for requests the shutdown aborted are a 503, not a 200."""
+        if not self.draining:
+            return
+        for f in finals:
+            fr = f.finish_reason
+            if isinstance(fr, dict) and fr.get("type") == "abort":
+                raise APIError("the server is shutting down; the request was aborted before it finished",
+                               status=503)
+
+    def model_info(self) -> dict[str, Any]:
+        mc = self.engine.model_config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": self.served_model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": mc.arch,
+            "context_length": self.context_length,
+            "vocab_size": mc.vocab_size,
+            "mask_token_id": mc.mask_token_id,
+            "eos_token_ids": list(mc.eos_token_ids),
+            "n_layers": mc.n_layers,
+        }
+
+
+def get_state(request: Request) -> ServerState:
+    """The :class:`ServerState` of the app serving ``request``."""
+    return request.app.state.server
