@@ -63,6 +63,8 @@ class ServerArgs:
     bicache_profile: str | None = None
     max_prefix_cache_tokens: int | None = None
     max_total_tokens: int | None = None  # budget of the running requests' private K/V positions
+    bicache_audit_rate: float = 0.02
+    bicache_audit_min_agreement: float = 0.9
     # diffusion decoding defaults (a request's sampling_params override them)
     block_length: int = 32
     steps_per_block: int | None = None
@@ -110,6 +112,8 @@ class ServerArgs:
             "prefix_cache": self.effective_prefix_cache(),
             "max_prefix_cache_tokens": self.max_prefix_cache_tokens,
             "max_total_tokens": self.max_total_tokens,
+            "bicache_audit_rate": self.bicache_audit_rate,
+            "bicache_audit_min_agreement": self.bicache_audit_min_agreement,
             "mem_fraction_static": self.mem_fraction_static,
             "bicache_profile": self.bicache_profile,
             "decode": decode,
@@ -235,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-total-tokens", type=int, default=None,
                    help="Budget of K/V positions over all running requests; requests wait for room "
                         "(default: derived from memory).")
+    g.add_argument("--bicache-audit-rate", type=float, default=0.02,
+                   help="Fraction of prefix-reusing requests whose first forward is also run without reuse; a "
+                        "profile bucket whose reuse disagrees is lowered (0 turns the audit off).")
+    g.add_argument("--bicache-audit-min-agreement", type=float, default=0.9,
+                   help="Top-1 agreement at the masked positions below which the audit lowers a bucket.")
 
     g = p.add_argument_group("diffusion decoding defaults (requests may override in sampling_params)")
     g.add_argument("--block-length", type=int, default=32)
@@ -353,6 +362,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         bicache_profile=ns.bicache_profile,
         max_prefix_cache_tokens=ns.max_prefix_cache_tokens,
         max_total_tokens=ns.max_total_tokens,
+        bicache_audit_rate=ns.bicache_audit_rate,
+        bicache_audit_min_agreement=ns.bicache_audit_min_agreement,
         block_length=ns.block_length,
         steps_per_block=ns.steps_per_block,
         steps=ns.steps,
