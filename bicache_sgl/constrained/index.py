@@ -1,0 +1,197 @@
+"""Building token-level indexes with bounded time and memory, and caching them.
+
+outlines-core builds the DFA and the token index in native code that cannot be interrupted and
+that allocates freely (a ``(a|b)*a(a|b){25}`` DFA has 2^25 states). So by default the build runs
+in a small worker process (``_indexer.py`` run as a script: numpy and outlines-core, no torch),
+started on first use and kept for later builds, under a wall-clock limit and an address-space
+limit (``RLIMIT_AS``); a build that passes either is killed and reported as
+``ConstraintError("regex too complex: ...")``, and the next build starts a fresh worker.
+``Limits(isolate=False)`` builds in-process instead (only the static bounds then apply).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _indexer
+from .errors import ConstraintError
+from .vocab import TokenTable
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on building one constraint (all part of the cache key)."""
+
+    build_timeout_s: float = 30.0  # wall clock of one DFA + index build
+    build_memory_mb: int = 4096  # address space the build may add (isolated builds)
+    max_regex_positions: int = 100_000  # counted repeats multiplied out (checked before building)
+    max_states: int = 200_000  # DFA states
+    max_token_edges: int = 50_000_000  # (state, token) transitions before compression
+    max_class_edges: int = 500_000  # (state, token class) transitions: the DP's work per position
+    isolate: bool = True  # build in the worker process (time and memory enforced)
+
+
+@dataclass
+class IndexData:
+    """A compiled token-level index (see ``_indexer.build``)."""
+
+    n_states: int
+    initial: int
+    accepting: np.ndarray  # bool [S]
+    token_class: np.ndarray  # int32 [N], -1: allowed in no state
+    n_classes: int
+    src: np.ndarray  # int32 [E] class edges, sorted by (src, cls)
+    cls: np.ndarray
+    dst: np.ndarray
+    token_edges: int
+    build_s: float = 0.0
+
+
+class _Worker:
+    """The build worker process (one per Python process, used under a lock)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.vocab_key: str | None = None
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, _indexer.__file__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+                                     close_fds=True)
+        self.vocab_key = None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            except Exception:
+                pass
+        self.proc = None
+        self.vocab_key = None
+
+    def _send(self, obj) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
+        self.proc.stdin.flush()
+
+    def _recv(self, deadline: float):
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        buf = bytearray()
+        size = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise EOFError
+            buf += chunk
+            if size is None and len(buf) >= 8:
+                (size,) = struct.unpack("<Q", bytes(buf[:8]))
+            if size is not None and len(buf) >= 8 + size:
+                return pickle.loads(bytes(buf[8:8 + size]))
+
+    def build(self, table: TokenTable, regex: str, limits: Limits) -> dict:
+        deadline = time.monotonic() + limits.build_timeout_s
+        lim = {"memory_bytes": limits.build_memory_mb << 20, "max_states": limits.max_states,
+               "max_edges": limits.max_token_edges}
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                self._spawn()
+            if self.vocab_key != table.fingerprint:
+                self._send(("vocab", table.fingerprint, list(table.tokens)))
+                self._recv(time.monotonic() + 120.0)
+                self.vocab_key = table.fingerprint
+            self._send(("build", table.fingerprint, regex, lim))
+            status, res = self._recv(deadline)
+        except TimeoutError:
+            self.kill()
+            raise ConstraintError(f"regex too complex: building its automaton took longer than "
+                                  f"{limits.build_timeout_s:g} s") from None
+        except (EOFError, BrokenPipeError, OSError):
+            code = None
+            if self.proc is not None:
+                try:
+                    code = self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.kill()
+            raise ConstraintError(f"regex too complex: building its automaton exceeded the memory limit "
+                                  f"({limits.build_memory_mb} MiB; the build worker died, status {code})") from None
+        if status == "need_vocab":  # the worker restarted between calls
+            self.vocab_key = None
+            return self.build(table, regex, limits)
+        if status != "ok":
+            raise ConstraintError(str(res))
+        return res
+
+
+_WORKER = _Worker()
+_LOCK = threading.RLock()
+_CACHE: OrderedDict[tuple, IndexData | ConstraintError] = OrderedDict()
+CACHE_SIZE = 64  # entries
+CACHE_EDGES = 4_000_000  # class edges held by cached indexes, all together
+
+
+def build_index(regex: str, table: TokenTable, limits: Limits) -> IndexData:
+    """The token-level index of an already validated ``regex`` over ``table`` (cached per
+    (regex, token table, limits); failures are cached too, so a pathological regex sent again
+    is refused at once)."""
+    key = (regex, table.fingerprint, limits)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            if isinstance(hit, ConstraintError):
+                raise ConstraintError(str(hit))
+            return hit
+        t0 = time.perf_counter()
+        try:
+            if limits.isolate:
+                res = _WORKER.build(table, regex, limits)
+            else:
+                try:
+                    res = _indexer.build(list(table.tokens), regex, limits.max_states, limits.max_token_edges)
+                except ValueError as e:
+                    raise ConstraintError(str(e)) from None
+            if len(res["src"]) > limits.max_class_edges:
+                raise ConstraintError(f"regex too complex: {len(res['src'])} (state, token class) transitions "
+                                      f"(limit {limits.max_class_edges})")
+            data = IndexData(build_s=time.perf_counter() - t0, **res)
+        except ConstraintError as e:
+            _CACHE[key] = e
+            _trim()
+            raise
+        _CACHE[key] = data
+        _trim()
+        return data
+
+
+def _trim() -> None:
+    def edges() -> int:
+        return sum(len(v.src) for v in _CACHE.values() if isinstance(v, IndexData))
+    while len(_CACHE) > CACHE_SIZE or (len(_CACHE) > 1 and edges() > CACHE_EDGES):
+        _CACHE.popitem(last=False)
+
+
+def shutdown_worker() -> None:
+    """Stop the build worker (it is restarted on the next isolated build)."""
+    with _LOCK:
+        _WORKER.kill()
