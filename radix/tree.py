@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,8 +52,18 @@ class TreeNode:
     handle raises ``ValueError``.
     """
 
-    __slots__ = ("key", "value", "depth", "parent", "children", "lock_ref", "last_access",
-                 "serial", "alive", "owner")
+    __slots__ = (
+        "alive",
+        "children",
+        "depth",
+        "key",
+        "last_access",
+        "lock_ref",
+        "owner",
+        "parent",
+        "serial",
+        "value",
+    )
 
     def __init__(self, key: np.ndarray, value: np.ndarray, depth: int,
                  parent: TreeNode | None, last_access: int, serial: int, owner: object) -> None:

@@ -43,7 +43,7 @@ def test_fixed0_equals_off_and_fixedL_equals_naive(tiny_llada, cache_mode):
     for mode in ("off", "fixed:0", "fixed:4", "naive"):
         eng = make_engine(tiny_llada, mode)
         outs[mode] = run_seq(eng, prompts, sp)
-        eng.cache.check_integrity()
+        eng.check_integrity()
         eng.shutdown()
     ids = {m: [o["output_ids"] for o in v] for m, v in outs.items()}
     assert ids["fixed:0"] == ids["off"]
@@ -102,7 +102,7 @@ def test_mixed_depth_batch_equals_alone(tiny_llada, tmp_path):
     together = [done[r] for r in rids]
     assert [e.meta_info["bicache_depth"] for e in together] == depths
     assert [e.output_ids for e in together] == [o["output_ids"] for o in alone]
-    eng.cache.check_integrity()
+    eng.check_integrity()
     eng.shutdown()
 
 
@@ -132,9 +132,9 @@ def test_eviction_never_changes_a_running_request(tiny_llada):
     assert result["ev"].output_ids == ref["output_ids"]
     st = eng.cache.stats()
     assert st["evicted_tokens"] > 0 and st["prefix_cache_trimmed_layer_tokens_total"] > 0
-    eng.cache.check_integrity()
+    eng.check_integrity()
     assert eng.flush_cache()
-    eng.cache.check_integrity()
+    eng.check_integrity()
     st = eng.cache.stats()
     # 400 tokens at depth 2 = 800 layer-tokens; token slots for every row at depth 1
     assert st["prefix_cache_free_layer_tokens"] == st["prefix_cache_capacity_layer_tokens"] == 800
@@ -146,7 +146,7 @@ def test_full_cache_never_fails_a_request(tiny_llada):
     eng = make_engine(tiny_llada, "naive", max_prefix_cache_tokens=0)
     outs = run_seq(eng, [PREFIX + q for q in QUESTIONS[:2]])
     assert all(len(o["output_ids"]) == 16 and o["meta_info"]["bicache_depth"] == 0 for o in outs)
-    eng.cache.check_integrity()
+    eng.check_integrity()
     eng.shutdown()
 
 

@@ -10,10 +10,10 @@ from bicache_sgl import Engine, SamplingParams
 from bicache_sgl.attention import create_backend
 from bicache_sgl.config import DecodeDefaults
 from bicache_sgl.decoding import num_transfer_schedule, select_transfer
-from bicache_sgl.models.forward_batch import ForwardBatch, SeqKV, SeqWork
 from bicache_sgl.io_struct import GenerateRequest
-from bicache_sgl.scheduler.request import DecodePlan, Req
+from bicache_sgl.models.forward_batch import ForwardBatch, KVStore, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
+from bicache_sgl.scheduler.request import DecodePlan, Req
 
 PROMPTS = ["The quick brown fox jumps", "Q: what is 2+2?\nA:", "lorem ipsum dolor sit amet, consectetur", "x"]
 
@@ -55,11 +55,12 @@ def test_dual_cache_logits_match_full_forward(tiny_llada, tiny_dream):
         ids = torch.tensor([7, 8, 9, 10, 11, 12, 13] + [cfg.mask_token_id] * 16)
         N, bs, be = len(ids), 7, 15
         want = np.arange(bs, be) - cfg.logit_shift
-        kv = SeqKV.allocate(cfg.n_layers, N, cfg.n_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
-        full = model.forward_batch(ForwardBatch([SeqWork(kv, ids, np.arange(N), want)], torch.device("cpu"))
+        store, (kv,) = KVStore.for_sequences(cfg, [N], torch.float32, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        full = model.forward_batch(ForwardBatch([SeqWork(kv, ids, np.arange(N), want)], cpu, store)
                                    .build(cfg.n_layers), attn)
         part = model.forward_batch(ForwardBatch([SeqWork(kv, ids, np.arange(bs - cfg.logit_shift, be), want)],
-                                                torch.device("cpu")).build(cfg.n_layers), attn)
+                                                cpu, store).build(cfg.n_layers), attn)
         assert torch.allclose(full, part, atol=1e-5)
 
 

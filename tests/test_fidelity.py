@@ -93,12 +93,54 @@ def test_planted_prefix_state_is_context_free_up_to_k(planted):
         assert float((sa[layer][0] - sa[layer - 1][0]).abs().max()) > 0.5
 
 
+class _Store:
+    """A row store for hand-built forwards: prefix rows hold a cached state (K/V, and the residual
+    a sequence resumes from), private rows the sequences' own K/V (as the engine lays them out)."""
+
+    def __init__(self, cfg, n_private: int, n_prefix: int, dev):
+        from bicache_sgl.models.forward_batch import KVStore
+        self.cfg, self.dev = cfg, dev
+        self.store = KVStore.allocate(n_prefix + n_private, cfg.n_kv_heads, cfg.head_dim, torch.float32, dev,
+                                      prefix_rows=n_prefix, hidden=cfg.hidden_size)
+        self._prefix, self._private = 0, n_prefix
+
+    def prefix(self, k, v, h=None) -> np.ndarray:
+        n = k.shape[0]
+        rows = np.arange(self._prefix, self._prefix + n)
+        self._prefix += n
+        idx = torch.from_numpy(rows)
+        self.store.k[idx], self.store.v[idx] = k.float(), v.float()
+        if h is not None:
+            self.store.h[idx] = h.float()
+        return rows
+
+    def seq(self, n_pos: int):
+        from bicache_sgl.models.forward_batch import SeqKV
+        L = self.cfg.n_layers
+        rows = np.arange(self._private, self._private + L * n_pos)
+        self._private += L * n_pos
+        return SeqKV(rows.reshape(L, n_pos).copy(), rows)
+
+    def reuse(self, n_pos: int, p: int, d: int, kvs, resume_h):
+        """A sequence whose first p positions read cached K/V ``kvs[li] = (k, v)`` at layers < d
+        and resume at d from ``resume_h`` (stored with the rows of layer d - 1)."""
+        kv = self.seq(n_pos)
+        resume_rows = None
+        for li in range(d):
+            h = resume_h if li == d - 1 and d < self.cfg.n_layers else None
+            rows = self.prefix(kvs[li][0][:p], kvs[li][1][:p], h)
+            kv.rows[li, :p] = rows
+            if h is not None:
+                resume_rows = rows
+        return kv, resume_rows
+
+
 def test_planted_model_catches_a_resume_from_the_wrong_layer(planted):
     """What makes "fixed:N equals off for N <= K" a check of the runtime and not a tautology: resuming
     the reused prefix at depth d <= K from the residual entering layer d - 1 (an off-by-one in the
     runtime) loses the token features the gather layer needs, and the answer becomes "-"."""
     from bicache_sgl.attention import create_backend
-    from bicache_sgl.models.forward_batch import ForwardBatch, SeqKV, SeqWork
+    from bicache_sgl.models.forward_batch import ForwardBatch, SeqWork
     from bicache_sgl.models.loader import load_model, load_tokenizer
     model, mc = load_model(planted, "float32")
     tok = load_tokenizer(planted)
@@ -111,12 +153,12 @@ def test_planted_model_catches_a_resume_from_the_wrong_layer(planted):
     for d in range(1, K + 1):
         answers = []
         for resume_layer in (d, d - 1):
-            kv = SeqKV.allocate(mc.n_layers, N, mc.n_kv_heads, mc.head_dim, torch.float32, dev)
-            for li in range(d):
-                kv.k[li, :p], kv.v[li, :p] = states[li][1][:p], states[li][2][:p]
+            st = _Store(mc, mc.n_layers * N, mc.n_layers * p, dev)
+            kv, resume_rows = st.reuse(N, p, d, [(s[1], s[2]) for s in states], states[resume_layer][0][:p])
             work = SeqWork(kv, torch.tensor(b), np.arange(N), np.arange(N - G, N), depth=d, skip=p,
-                           resume_h=states[resume_layer][0][:p].clone())
-            out = model.forward_batch(ForwardBatch([work], dev).build(mc.n_layers), create_backend("torch", dev))
+                           resume_rows=resume_rows)
+            out = model.forward_batch(ForwardBatch([work], dev, st.store).build(mc.n_layers),
+                                      create_backend("torch", dev))
             answers.append(tok.decode(out.argmax(-1)))
         assert answers == ["7" * G, "-" * G], (d, answers)
 
@@ -359,7 +401,7 @@ def test_depth_d_forward_matches_an_independent_reference(fixture, request):
     a prefix state computed in another context, at every depth d, alone and all depths in one
     batch, against ``reference_depth_forward`` fed the same cached state."""
     from bicache_sgl.attention import create_backend
-    from bicache_sgl.models.forward_batch import ForwardBatch, SeqKV, SeqWork
+    from bicache_sgl.models.forward_batch import ForwardBatch, SeqWork
     from bicache_sgl.models.loader import load_model
 
     folder = request.getfixturevalue(fixture)
@@ -381,24 +423,26 @@ def test_depth_d_forward_matches_an_independent_reference(fixture, request):
             for a, b in ((h_r, h_o), (k_r, k_o), (v_r, v_o)):
                 assert torch.allclose(a, b.double(), atol=1e-5), (fixture, li)
 
-        def work(d, main=main, p=p, cached=cached, want=want):
+        def work(st, d, main=main, p=p, cached=cached, want=want):
             """The runtime's unit of work: this sequence at depth d, its first p positions skipped
-            below d (their K/V placed in its private cache, as admission copies them from the pool)."""
-            kv = SeqKV.allocate(L, len(main), cfg.n_kv_heads, cfg.head_dim, torch.float32, dev)
-            resume = None
-            if d > 0:
-                for li in range(d):
-                    kv.k[li, :p] = cached[li][1][:p].float()
-                    kv.v[li, :p] = cached[li][2][:p].float()
-                if d < L:
-                    resume = cached[d][0][:p].float()
+            below d (their K/V read in place from prefix rows, as the engine shares pool rows)."""
+            resume = cached[d][0][:p] if 0 < d < L else None
+            kv, resume_rows = st.reuse(len(main), p, d, [(c[1], c[2]) for c in cached], resume)
             return SeqWork(kv, torch.tensor(main), np.arange(len(main)), want - shift, depth=d, skip=p,
-                           resume_h=resume)
+                           resume_rows=resume_rows)
+
+        def store():
+            return _Store(cfg, (L + 1) * L * N, (L + 1) * L * p, dev)
 
         refs = [reference_depth_forward(m, main, p, d, cached)[want - shift] for d in range(L + 1)]
         # every depth alone, then all depths in one batch (mixed depths in one forward)
-        alone = [model.forward_batch(ForwardBatch([work(d)], dev).build(L), attn).double() for d in range(L + 1)]
-        mixed = model.forward_batch(ForwardBatch([work(d) for d in range(L + 1)], dev).build(L), attn).double()
+        alone = []
+        for d in range(L + 1):
+            st = store()
+            alone.append(model.forward_batch(ForwardBatch([work(st, d)], dev, st.store).build(L), attn).double())
+        st = store()
+        mixed = model.forward_batch(ForwardBatch([work(st, d) for d in range(L + 1)], dev, st.store).build(L),
+                                    attn).double()
         for d in range(L + 1):
             err = float((alone[d] - refs[d]).abs().max())
             assert err < 1e-5, (fixture, p, d, err)
@@ -413,7 +457,7 @@ def test_depth_d_forward_matches_an_independent_reference(fixture, request):
 # ------------------------------------------------------------------------ same-context reuse
 def _record_logits(eng) -> list[torch.Tensor]:
     """Every batched forward's logits from now on, in order (the model is called as
-    ``model.forward_batch(fb, attn, pool)`` by the engine)."""
+    ``model.forward_batch(fb, attn)`` by the engine)."""
     seen: list[torch.Tensor] = []
     orig = eng.model.forward_batch
 

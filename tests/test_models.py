@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bicache_sgl.attention import create_backend
-from bicache_sgl.models.forward_batch import ForwardBatch, SeqKV, SeqWork
 from bicache_sgl.models.config import CheckpointError
+from bicache_sgl.models.forward_batch import ForwardBatch, KVStore, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
 
 
@@ -107,10 +107,10 @@ def test_forward_matches_reference(fixture, request):
     assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5), (ours - ref).abs().max()
     # the packed batched path, with logits read only at selected positions
     N = len(IDS)
-    kv = SeqKV.allocate(cfg.n_layers, N, cfg.n_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    store, (kv,) = KVStore.for_sequences(cfg, [N], torch.float32, torch.device("cpu"))
     want = np.array([2, 5, 11])
     fb = ForwardBatch([SeqWork(kv, torch.tensor(IDS), np.arange(N), want - cfg.logit_shift)],
-                      torch.device("cpu")).build(cfg.n_layers)
+                      torch.device("cpu"), store).build(cfg.n_layers)
     packed = model.forward_batch(fb, create_backend("torch", torch.device("cpu")))
     assert packed.shape == (3, cfg.vocab_size)  # the LM head ran on the 3 requested rows only
     assert torch.allclose(packed, ref[want], atol=1e-5, rtol=1e-5)

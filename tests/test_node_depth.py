@@ -44,7 +44,7 @@ def test_low_r_stores_few_layers_then_a_high_r_request_upgrades(tiny_llada, tmp_
         # the next high-r request uses the upgraded depth
         nxt = eng.generate(PREFIX + "Gamma: q", {**SP, "max_new_tokens": 8})["meta_info"]
         assert nxt["bicache_depth"] == 4 and nxt["reused_prefix_tokens"] >= len(PREFIX)
-        eng.cache.check_integrity()
+        eng.check_integrity()
     finally:
         eng.shutdown()
 
@@ -64,7 +64,7 @@ def test_upgraded_layers_are_the_upgrading_requests_own_state(tiny_llada, tmp_pa
         assert (x2["meta_info"]["bicache_depth"], x3["meta_info"]["bicache_depth"]) == (1, 4)
         assert x3["output_ids"] == x2["output_ids"]
         assert eng.get_stats()["prefix_cache_upgrades_total"] >= 1
-        eng.cache.check_integrity()
+        eng.check_integrity()
     finally:
         eng.shutdown()
 
@@ -85,7 +85,7 @@ def test_trim_drops_deep_layers_of_cold_nodes_before_evicting(tiny_llada, tmp_pa
         # the trimmed prefix still serves at the depth it kept
         again = eng.generate("A" * 160 + "?", {**SP, "max_new_tokens": 8})["meta_info"]
         assert again["cached_tokens"] >= 159 and again["bicache_depth"] == 2
-        eng.cache.check_integrity()
+        eng.check_integrity()
     finally:
         eng.shutdown()
 
@@ -121,7 +121,7 @@ def test_locked_nodes_are_never_trimmed_and_running_requests_keep_their_state(ti
         assert out["ev"].output_ids == want and out["ev"].meta_info["bicache_depth"] == 4
         st = eng.get_stats()
         assert st["prefix_cache_trimmed_layer_tokens_total"] > 0 or st["evicted_tokens"] > 0
-        eng.cache.check_integrity()
+        eng.check_integrity()
     finally:
         eng.shutdown()
 
@@ -136,7 +136,7 @@ def test_pool_bytes_are_proportional_to_depth_held(tiny_llada, tmp_path):
             st = eng.get_stats()
             used[mode] = (st["prefix_cache_used_tokens"], st["prefix_cache_stored_layer_tokens"],
                           st["prefix_cache_stored_bytes"])
-            eng.cache.check_integrity()
+            eng.check_integrity()
         finally:
             eng.shutdown()
     assert used["fixed:1"][0] == used["fixed:4"][0]
@@ -155,7 +155,7 @@ def test_random_traffic_keeps_every_row_accounted_for(tiny_llada, tmp_path, seed
         for _ in range(14):
             prompt = bases[rng.integers(4)] + "xyz"[rng.integers(3)] * int(rng.integers(1, 20))
             eng.generate(prompt, {**SP, "max_new_tokens": int(rng.choice([8, 64, 256]))})
-            eng.cache.check_integrity()
+            eng.check_integrity()
         st = eng.get_stats()
         assert st["prefix_cache_upgrades_total"] + st["prefix_cache_trimmed_layer_tokens_total"] + \
             st["evicted_tokens"] > 0

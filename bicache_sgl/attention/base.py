@@ -8,24 +8,27 @@ K/V for the whole sequence at this layer), never to another sequence's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
 class AttentionBackend(ABC):
-    """Varlen non-causal attention over packed queries."""
+    """Varlen non-causal attention over packed queries; keys are read from a row store through
+    per-sequence, per-layer row indices (nothing is concatenated or copied per request)."""
 
     name: str = "base"
 
-    def begin_forward(self) -> None:
-        """Called once per model forward (backends may drop per-forward plans here)."""
+    def begin_forward(self, kv_rows: Sequence[np.ndarray]) -> None:
+        """Once per model forward. ``kv_rows[i]``: int64 [L, N_i], the store row of sequence i's
+        K/V at every layer and position (its keys at layer l are ``k_store[kv_rows[i][l]]``)."""
+        self.kv_rows = list(kv_rows)
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+    def attend(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, layer: int,
                q_indptr: Sequence[int], layout_key: object) -> torch.Tensor:
-        """q: [T, H, Dh] packed; keys[i]/values[i]: [N_i, Hkv, Dh]; sequence i owns q rows
-        q_indptr[i]:q_indptr[i+1]. ``layout_key`` is equal for calls with the same q/kv lengths in
-        one forward, so a backend may reuse its plan. Returns [T, H, Dh] in q's dtype."""
-
-
+        """q: [T, H, Dh] packed; k_store/v_store: [R, Hkv, Dh]; sequence i owns q rows
+        q_indptr[i]:q_indptr[i+1] and attends to all of its keys at ``layer``. ``layout_key`` is
+        equal for calls with the same q_indptr in one forward, so a backend may reuse its plan.
+        Returns [T, H, Dh] in q's dtype."""

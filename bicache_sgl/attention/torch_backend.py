@@ -1,15 +1,17 @@
 """Reference backend: torch scaled_dot_product_attention. Runs everywhere.
 
-Sequences with similar query lengths are padded into one SDPA call (key-padding mask), so a
-layer costs a handful of kernel launches instead of one per sequence; a sequence alone in its
-group takes the unpadded call. Padding changes float rounding in the last bits (the kernel
-blocks over a longer key axis), never the tokens in practice; the exactness tests check tokens.
+Sequences with similar query lengths are padded into one SDPA call (key-padding mask), their
+keys gathered from the row store with one index per group, so a layer costs a handful of kernel
+launches instead of one per sequence; a sequence alone in its group takes the unpadded call.
+Padding changes float rounding in the last bits (the kernel blocks over a longer key axis), never
+the tokens in practice; the exactness tests check tokens.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,33 +28,34 @@ class TorchAttention(AttentionBackend):
     def __init__(self, device: torch.device | None = None) -> None:
         self._plans: dict = {}
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, kv_rows) -> None:
+        super().begin_forward(kv_rows)
         self._plans = {}
 
-    def attend(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+    def attend(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, layer: int,
                q_indptr: Sequence[int], layout_key: object) -> torch.Tensor:
         out = torch.empty_like(q)
         plan = self._plans.get(layout_key)
         if plan is None:
-            plan = self._plans[layout_key] = _plan(q_indptr, [k.shape[0] for k in keys], q.device)
+            plan = self._plans[layout_key] = _plan(q_indptr, self.kv_rows, q.device)
         for group in plan:
-            if isinstance(group, int):
-                s, e = q_indptr[group], q_indptr[group + 1]
-                out[s:e] = sdpa_one(q[s:e], keys[group], values[group])
+            if group[0] == "one":
+                _, i, idx = group
+                s, e = q_indptr[i], q_indptr[i + 1]
+                out[s:e] = sdpa_one(q[s:e], k_store[idx[layer]], v_store[idx[layer]])
                 continue
-            members, q_idx, q_valid, key_mask = group
-            kp = torch.nn.utils.rnn.pad_sequence([keys[i] for i in members], batch_first=True)
-            vp = torch.nn.utils.rnn.pad_sequence([values[i] for i in members], batch_first=True)
-            qp = q[q_idx]  # [B, nq, H, Dh]
-            o = sdpa_batched(qp, kp, vp, key_mask)
+            _, q_idx, q_valid, key_mask, kv_idx = group
+            o = sdpa_batched(q[q_idx], k_store[kv_idx[layer]], v_store[kv_idx[layer]], key_mask)
             out[q_idx[q_valid]] = o[q_valid]
         return out
 
 
-def _plan(q_indptr: Sequence[int], kv_lens: list[int], device: torch.device) -> list:
-    """Group sequences by query length; per group the gather index, valid mask and key mask."""
-    q_lens = [q_indptr[i + 1] - q_indptr[i] for i in range(len(kv_lens))]
-    order = sorted((i for i in range(len(kv_lens)) if q_lens[i] > 0), key=lambda i: q_lens[i])
+def _plan(q_indptr: Sequence[int], kv_rows: Sequence[np.ndarray], device: torch.device) -> list:
+    """Group sequences by query length; per group the query gather index, valid mask, key mask
+    and the key row index [L, B, nk] (padded with each sequence's own first row, masked out)."""
+    n = len(kv_rows)
+    q_lens = [q_indptr[i + 1] - q_indptr[i] for i in range(n)]
+    order = sorted((i for i in range(n) if q_lens[i] > 0), key=lambda i: q_lens[i])
     groups, cur = [], []
     for i in order:
         if cur and q_lens[i] > _GROUP_RATIO * q_lens[cur[0]]:
@@ -64,18 +67,21 @@ def _plan(q_indptr: Sequence[int], kv_lens: list[int], device: torch.device) -> 
     plan: list = []
     for g in groups:
         if len(g) == 1:
-            plan.append(g[0])
+            plan.append(("one", g[0], torch.from_numpy(kv_rows[g[0]]).to(device)))
             continue
         nq = max(q_lens[i] for i in g)
-        nk = max(kv_lens[i] for i in g)
+        kv_lens = [kv_rows[i].shape[1] for i in g]
+        nk = max(kv_lens)
+        idx = np.stack([np.pad(kv_rows[i], ((0, 0), (0, nk - kv_rows[i].shape[1])), mode="edge") for i in g],
+                       axis=1)  # [L, B, nk]
         ar = torch.arange(nq, device=device)
         starts = torch.tensor([q_indptr[i] for i in g], device=device)
         lens = torch.tensor([q_lens[i] for i in g], device=device)
         q_valid = ar[None, :] < lens[:, None]
         q_idx = torch.where(q_valid, starts[:, None] + ar[None, :], starts[:, None])
-        kl = torch.tensor([kv_lens[i] for i in g], device=device)
+        kl = torch.tensor(kv_lens, device=device)
         key_mask = (torch.arange(nk, device=device)[None, :] < kl[:, None])[:, None, None, :]  # [B,1,1,nk]
-        plan.append((g, q_idx, q_valid, key_mask))
+        plan.append(("many", q_idx, q_valid, key_mask, torch.from_numpy(idx).to(device)))
     return plan
 
 

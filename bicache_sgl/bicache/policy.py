@@ -16,8 +16,8 @@ Nothing outside this module branches on the mode.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..config import parse_prefix_cache_mode
 from .audit import DepthAudit
@@ -113,7 +113,7 @@ class FixedPolicy(DepthPolicy):
     name: str = "fixed"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.depth:
+        if not self.depth >= 0:
             raise ValueError(f"fixed depth must be >= 0, got {self.depth}")
 
     @property

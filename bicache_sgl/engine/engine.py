@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..kv_cache.manager import make_cache_manager
 from ..kv_cache.memory import plan_memory
+from ..kv_cache.pool import KVPool
 from ..scheduler.request import Req, RequestFactory
 from ..scheduler.scheduler import Scheduler
 from .model_runner import ModelRunner, load
@@ -74,10 +76,13 @@ class Engine:
                         "bicache_sgl.calibrate to make one.", self.model_path)
         self.memory = plan_memory(mc, loaded.dtype, self.device, self.policy.max_node_depth,
                                   max_prefix_cache_tokens=cfg.max_prefix_cache_tokens,
-                                  max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static)
-        self.cache = make_cache_manager(self.policy, self.memory, mc, loaded.dtype, self.device)
+                                  max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static,
+                                  max_positions=2 * cfg.max_running_requests * self.context_length)
+        pool = KVPool(mc, self.memory.pool_tokens, self.memory.pool_rows, self.memory.request_rows, loaded.dtype,
+                      self.device)
+        self.cache = make_cache_manager(self.policy, pool)
         log.info("prefix cache: %s; %s", self.policy.describe(), self.memory.describe())
-        self.runner = ModelRunner(loaded, cfg.attention_backend, self.cache.pool)
+        self.runner = ModelRunner(loaded, cfg.attention_backend, pool)
         self.model = loaded.model
         self.scheduler = Scheduler(cfg.max_running_requests, self.memory.request_tokens,
                                    prefix_aware=self.cache.enabled)
@@ -269,7 +274,8 @@ class Engine:
                 policy = request_policy(self.policy, req.greq.bicache_depth, exact=req.exact)
                 req.cache = self.cache.admit(req.prompt, req.seq_len, policy, req.kv)
                 if self.audit is not None and req.choice.depth > 0 and policy is self.policy and self.audit.sample():
-                    req.audit_kv = self.runner.alloc_kv(req.seq_len)
+                    req.audit_kv = self.runner.pool.alloc_seq(req.seq_len)  # outside the budget: skipped if short
+                    req.auditing = req.audit_kv is not None
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
@@ -284,7 +290,7 @@ class Engine:
             self.running.remove(req)
             self.scheduler.finished(req)
         self.cache.release(req.cache)
-        req.free_buffers()
+        req.free_buffers(self.runner.free_kv)
         st = self.stats
         st["num_finished_reqs"] += 1
         st["generated_tokens"] += len(req.out_ids)
@@ -372,6 +378,13 @@ class Engine:
             **self.cache.stats(),
             **(self.audit.stats() if self.audit is not None else {"bicache_audit_rate": 0.0}),
         }
+
+    def check_integrity(self) -> None:
+        """Cache invariants, and when idle: every request row is back in the pool (no leak)."""
+        self.cache.check_integrity()
+        if not self.has_work():
+            rows = self.runner.pool.request_rows
+            assert rows.num_free == rows.capacity, f"request rows leaked: {rows.capacity - rows.num_free}"
 
     def __enter__(self) -> "Engine":
         return self

@@ -6,7 +6,8 @@ engine in another process implements the same methods.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from ..config import EngineConfig
 from ..io_struct import GenerateRequest, RequestEvent

@@ -12,6 +12,7 @@ import torch
 
 from ..attention import create_backend
 from ..config import EngineConfig
+from ..kv_cache.pool import KVPool
 from ..models.config import ModelConfig
 from ..models.forward_batch import ForwardBatch, SeqKV, SeqWork
 from ..models.loader import load_model, load_tokenizer, resolve_model_path
@@ -58,20 +59,26 @@ def load(cfg: EngineConfig) -> LoadedModel:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, attention_backend: str, pool=None) -> None:
+    def __init__(self, loaded: LoadedModel, attention_backend: str, pool: KVPool) -> None:
         self.model, self.cfg = loaded.model, loaded.model_config
         self.device, self.dtype = loaded.device, loaded.dtype
-        self.attn = create_backend(attention_backend, self.device)
-        self.pool = pool  # the prefix pool captures are written to (None: caching off)
+        self.attn = create_backend(attention_backend, self.device, self.dtype, self.cfg.head_dim)
+        self.pool = pool  # the row store: prefix rows and every running sequence's K/V
 
     def alloc_kv(self, n_positions: int) -> SeqKV:
-        """Private K/V for one sequence of ``n_positions``, all layers."""
-        c = self.cfg
-        return SeqKV.allocate(c.n_layers, n_positions, c.n_kv_heads, c.head_dim, self.dtype, self.device)
+        """Private K/V rows for one sequence of ``n_positions``, all layers. The scheduler's
+        budget guarantees room for admitted requests' buffers."""
+        kv = self.pool.alloc_seq(n_positions)
+        if kv is None:
+            raise RuntimeError(f"request K/V rows exhausted ({n_positions} positions asked)")
+        return kv
+
+    def free_kv(self, kv: SeqKV) -> None:
+        self.pool.free_seq(kv)
 
     def forward(self, works: list[SeqWork]) -> list[torch.Tensor]:
         """One batched forward; returns fp32 logits per work, [len(work.logit_positions), V]."""
-        fb = ForwardBatch(works, self.device).build(self.cfg.n_layers)
-        logits = self.model.forward_batch(fb, self.attn, self.pool)
+        fb = ForwardBatch(works, self.device, self.pool.store).build(self.cfg.n_layers)
+        logits = self.model.forward_batch(fb, self.attn)
         ip = fb.logit_indptr
         return [logits[ip[i]:ip[i + 1]] for i in range(len(works))]

@@ -19,8 +19,9 @@ prefix p (depth d) and reusable prompt length P (the prompt minus its last token
 - trim:    under memory pressure, the deepest layers of cold (least recently used, unlocked) nodes
            go first, halving their depth, before whole nodes are evicted (LRU leaves).
 
-A running request never sees a node change under it: admission copies what it reuses into its
-private K/V, upgrades only add rows, and locked nodes are never trimmed or evicted.
+A running request never sees a node change under it: it reads the reused rows where they live
+(its ``SeqKV`` points at them), its path stays locked (locked nodes are never trimmed or
+evicted), and upgrades only add rows.
 
 The index (``radix.PrefixIndex``) and the tensor pool (``PrefixPool``) stay separate; this class
 is the only code that touches both. :class:`NullCacheManager` has the same interface and caches
@@ -34,8 +35,8 @@ layers < its depth.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -44,8 +45,7 @@ from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree
 
 from ..bicache.policy import NO_REUSE, DepthChoice, DepthPolicy
 from ..models.forward_batch import Capture, SeqKV
-from .memory import MemoryPlan
-from .pool import PrefixPool
+from .pool import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class CacheGrant:
     choice: DepthChoice = NO_REUSE
     handle: NodeHandle | None = None  # locked end of the match, None once released
     matched_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
-    resume_h: torch.Tensor | None = None  # [prefix, D] residual of S entering layer `depth`
+    resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
     pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (slots, layer, rows)
@@ -77,7 +77,7 @@ class CacheManager:
 
     enabled = True
 
-    def __init__(self, index: PrefixIndex, pool: PrefixPool, policy: DepthPolicy) -> None:
+    def __init__(self, index: PrefixIndex, pool: KVPool, policy: DepthPolicy) -> None:
         self.index, self.pool, self.policy = index, pool, policy
         self.in_flight_tokens = 0  # token slots of captures not yet committed or released
         self.in_flight_rows = 0
@@ -93,8 +93,8 @@ class CacheManager:
 
     # ------------------------------------------------------------------------------- lifecycle
     def admit(self, prompt: Sequence[int], seq_len: int, policy: DepthPolicy, kv: SeqKV | None) -> CacheGrant:
-        """Match, lock, choose the depth under ``policy`` (the request's), copy the reused state
-        into ``kv`` and reserve the capture (none if the pool cannot make room)."""
+        """Match, lock, choose the depth under ``policy`` (the request's), point ``kv`` at the
+        reused rows and reserve the capture (none if the pool cannot make room)."""
         key = reusable_prefix(prompt)
         m = self.index.match_prefix(key)
         self.num_lookups += 1
@@ -105,13 +105,10 @@ class CacheManager:
         grant = CacheGrant(policy.choose(m.segments, m.length, seq_len), m.handle, np.asarray(m.values, np.int64))
         d, p = grant.choice.depth, grant.choice.prefix
         if d > 0 and p > 0 and kv is not None:
-            # Copy, so the request never reads the pool again: eviction, trims or upgrades
-            # cannot change a running request's output.
-            k, v = self.pool.read_kv(grant.matched_slots[:p], d)
-            kv.k[:d, :p] = k
-            kv.v[:d, :p] = v
+            # Read in place: the path stays locked until release, so these rows cannot change.
+            self.pool.share_prefix(kv, grant.matched_slots[:p], d)
             if d < self.pool.n_layers:
-                grant.resume_h = self.pool.read_h(grant.matched_slots[:p], d).clone()
+                grant.resume_rows = self.pool.table[grant.matched_slots[:p], d - 1].copy()
         self._reserve(grant, m, len(prompt), seq_len)
         return grant
 
@@ -197,7 +194,7 @@ class CacheManager:
         if grant.handle is not None:
             self.index.unlock(grant.handle)
             grant.handle = None
-        grant.resume_h = None
+        grant.resume_rows = None
 
     # ------------------------------------------------------------------------------- capacity
     def _make_room(self, rows: int, tokens: int) -> bool:
@@ -295,10 +292,9 @@ class NullCacheManager:
     """Caching off: the same interface, nothing matched, nothing stored."""
 
     enabled = False
-    pool = None
 
-    def __init__(self, policy: DepthPolicy) -> None:
-        self.policy = policy
+    def __init__(self, pool: KVPool, policy: DepthPolicy) -> None:
+        self.pool, self.policy = pool, policy
         self.index = NullRadixTree()
 
     def peek(self, prompt: Sequence[int]) -> int:
@@ -311,7 +307,7 @@ class NullCacheManager:
         grant.capture = None
 
     def release(self, grant: CacheGrant) -> None:
-        grant.capture = grant.handle = grant.resume_h = None
+        grant.capture = grant.handle = grant.resume_rows = None
 
     def flush(self) -> int:
         return 0
@@ -329,11 +325,9 @@ class NullCacheManager:
         self.index.check_integrity()
 
 
-def make_cache_manager(policy: DepthPolicy, memory: MemoryPlan, model_config, dtype: torch.dtype,
-                       device: torch.device) -> CacheManager | NullCacheManager:
-    """The cache for ``policy``: none at all for ``off``, else a radix index over a pool sized by
-    ``memory``."""
+def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager | NullCacheManager:
+    """The cache for ``policy``: none at all for ``off``, else a radix index over ``pool``'s prefix
+    rows."""
     if not policy.uses_cache:
-        return NullCacheManager(policy)
-    pool = PrefixPool(model_config, memory.pool_tokens, memory.pool_rows, dtype, device)
+        return NullCacheManager(pool, policy)
     return CacheManager(RadixTree(), pool, policy)

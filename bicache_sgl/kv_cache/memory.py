@@ -62,6 +62,12 @@ class MemoryPlan:
     pool_bytes_per_row: int
     request_tokens: int  # budget of private K/V positions over all running sequences
     request_bytes_per_token: int
+    n_layers: int
+
+    @property
+    def request_rows(self) -> int:
+        """Store rows of the request budget: one per position per layer."""
+        return self.request_tokens * self.n_layers
 
     @property
     def pool_bytes(self) -> int:
@@ -80,9 +86,11 @@ class MemoryPlan:
 
 def plan_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_depth: int, *,
                 max_prefix_cache_tokens: int | None = None, max_total_tokens: int | None = None,
-                mem_fraction_static: float | None = None, free_bytes: int | None = None) -> MemoryPlan:
+                mem_fraction_static: float | None = None, free_bytes: int | None = None,
+                max_positions: int | None = None) -> MemoryPlan:
     """Size both pools for a policy whose nodes hold at most ``max_depth`` layers.
-    ``free_bytes`` (CUDA: free memory now) is read from the device when None."""
+    ``free_bytes`` (CUDA: free memory now) is read from the device when None; ``max_positions``
+    (running requests x context length) caps the request budget when no flag sets it."""
     row_bytes = layer_token_bytes(cfg, dtype)
     req_per = request_kv_bytes_per_token(cfg, dtype)
     cap = MAX_POOL_TOKENS["cuda" if device.type == "cuda" else "cpu"]
@@ -113,4 +121,6 @@ def plan_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
         else:
             req_budget = CPU_REQUEST_BYTES
         request_tokens = max(MIN_REQUEST_TOKENS, req_budget // req_per)
-    return MemoryPlan(tokens, rows, row_bytes, request_tokens, req_per)
+        if max_positions is not None:
+            request_tokens = max(MIN_REQUEST_TOKENS, min(request_tokens, max_positions))
+    return MemoryPlan(tokens, rows, row_bytes, request_tokens, req_per, cfg.n_layers)

@@ -1,9 +1,13 @@
-"""The prefix pool: shared prefix state stored per (cached token, layer), so a token costs memory
-in proportion to the depth its node holds.
+"""The K/V pool: one store of K/V rows (``KVStore``) shared by the prefix cache and the running
+requests, so attention reads reused prefix state where it lives.
 
-Layout (DESIGN.md section 5). A *row* holds one token's state at one layer l:
+Rows ``[0, prefix_rows)`` hold cached prefix state per (cached token, layer), so a cached token
+costs memory in proportion to the depth its node holds; rows ``[prefix_rows, total)`` are the
+running sequences' private K/V (``alloc_seq`` / ``free_seq``).
+
+Prefix layout (DESIGN.md section 5). A prefix *row* holds one token's state at one layer l:
   K[row], V[row]  K/V of layer l                      -> [rows, Hkv, Dh]
-  H[row]          residual leaving layer l (= entering layer l + 1)   -> [rows, hidden]
+  H[row]          residual leaving layer l (= entering layer l + 1)   -> [prefix rows, hidden]
 A cached token has a *token slot* (what the radix index stores); ``table[slot, l]`` is its row at
 layer l, or -1. A node of depth k holds rows for layers 0..k-1 of each of its tokens, so a request
 can skip those tokens in layers < d and resume them at layer d (reading H of layer d - 1) for
@@ -22,15 +26,18 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
+from ..models.forward_batch import KVStore, SeqKV
 from .memory import layer_token_bytes
 
 
 class SlotAllocator:
-    """Free list over ``capacity`` indices. Pure bookkeeping: tested without tensors."""
+    """Free list over ``capacity`` indices starting at ``offset``. Pure bookkeeping: tested
+    without tensors."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, offset: int = 0) -> None:
         self.capacity = capacity
-        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # pop from the end: low indices first
+        # pop from the end: low indices first
+        self._free = np.arange(offset + capacity - 1, offset - 1, -1, dtype=np.int64)
         self._n_free = capacity
 
     @property
@@ -57,19 +64,41 @@ class SlotAllocator:
         return self._free[:self._n_free].copy()
 
 
-class PrefixPool:
-    """Token slots (``tokens``), per-layer rows (``rows``) and the tensors behind the rows."""
+class KVPool:
+    """Token slots (``tokens``), prefix rows (``rows``), request rows (``request_rows``), the slot ->
+    row table, and the ``KVStore`` tensors behind all rows."""
 
-    def __init__(self, cfg: ModelConfig, token_capacity: int, row_capacity: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, token_capacity: int, row_capacity: int, request_row_capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.n_layers = cfg.n_layers
         self.tokens = SlotAllocator(token_capacity)
         self.rows = SlotAllocator(row_capacity)
+        self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity)
         self.table = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)
-        self.k = torch.zeros((row_capacity, cfg.n_kv_heads, cfg.head_dim), dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.h = torch.zeros((row_capacity, cfg.hidden_size), dtype=dtype, device=device)
+        self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
+                                      device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
+
+    # ------------------------------------------------------------------------ request K/V
+    def alloc_seq(self, n_positions: int) -> SeqKV | None:
+        """Private rows for one sequence, all layers; None when the request rows are exhausted."""
+        rows = self.request_rows.alloc(self.n_layers * n_positions)
+        if rows is None:
+            return None
+        return SeqKV(rows.reshape(self.n_layers, n_positions).copy(), rows)  # rows changes; owned does not
+
+    def free_seq(self, kv: SeqKV) -> None:
+        self.request_rows.free(kv.owned)
+        kv.owned = np.zeros(0, dtype=np.int64)
+
+    def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int) -> None:
+        """Point ``kv``'s first len(slots) positions at layers < depth to the cached rows (read in
+        place; the caller keeps the node locked) and give back the private rows they replace."""
+        p = len(slots)
+        replaced = kv.rows[:depth, :p].ravel().copy()
+        kv.rows[:depth, :p] = self.rows_of(slots, depth)
+        self.request_rows.free(replaced)
+        kv.owned = np.setdiff1d(kv.owned, replaced, assume_unique=True)
 
     @property
     def token_capacity(self) -> int:
@@ -85,7 +114,8 @@ class PrefixPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.h))
+        """Bytes of the prefix rows (the request rows are the request K/V budget)."""
+        return self.rows.capacity * self.bytes_per_layer_token
 
     def to_device(self, idx: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(self.device)
@@ -103,26 +133,6 @@ class PrefixPool:
         rows = self.table[slots, :depth].T
         assert (rows >= 0).all(), "reading a layer the node does not hold"
         return rows
-
-    # Reads at admission (copied into the request's private buffers, so later eviction, trims or
-    # upgrades never change a running request).
-    def read_kv(self, slots: np.ndarray, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [depth, n, Hkv, Dh] of layers < depth."""
-        rows = self.to_device(self.rows_of(slots, depth))
-        return self.k[rows], self.v[rows]
-
-    def read_h(self, slots: np.ndarray, layer: int) -> torch.Tensor:
-        """Residual entering ``layer`` (1 <= layer < L) [n, hidden]."""
-        rows = self.to_device(self.table[slots, layer - 1])
-        return self.h[rows]
-
-    # Writes by the model while it runs (captures).
-    def write_kv(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k.index_copy_(0, rows, k.to(self.dtype))
-        self.v.index_copy_(0, rows, v.to(self.dtype))
-
-    def write_h(self, rows: torch.Tensor, h: torch.Tensor) -> None:
-        self.h.index_copy_(0, rows, h.to(self.dtype))
 
     # Bookkeeping (host only).
     def bind(self, slots: np.ndarray, layer: int, rows: np.ndarray) -> np.ndarray:

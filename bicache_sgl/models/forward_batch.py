@@ -1,10 +1,16 @@
-"""One batched model forward: what each sequence computes, and the packed row layout.
+"""One batched model forward: what each sequence computes, where its K/V live, and the packed
+row layout.
 
-A *sequence* is one row-set of the batch (a request, its classifier-free-guidance shadow, or a
-likelihood probe). Each sequence computes a sorted set of positions. With bicache depth d > 0 the
-first ``skip`` of those positions (the matched prefix S) are not computed in layers < d: their
-K/V at those layers already sit in the sequence's private cache (copied from the prefix pool at
-admission), and they join at layer d from the stored residual stream ``resume_h``.
+A *sequence* is one row-set of the batch (a request, its classifier-free-guidance shadow, a
+likelihood probe, an audit shadow). Each sequence computes a sorted set of positions. With bicache
+depth d > 0 the first ``skip`` of those positions (the matched prefix S) are not computed in
+layers < d: their K/V at those layers are read where they live, in prefix-pool rows of the shared
+``KVStore``, and they join at layer d from the stored residual.
+
+K/V live in ONE store of rows (``KVStore``); a sequence's ``SeqKV.rows[l, j]`` is the row holding
+its K/V of layer l at position j (a private row, or a prefix-pool row for reused S positions at
+l < d). Each layer writes all computed rows with one ``index_copy_`` and attention gathers keys
+through the rows, so nothing is copied per request.
 
 Layout: rows are sequence-major, positions ascending. The active row set only grows with depth,
 so the forward is split into *segments* (layer ranges with a constant active set); between
@@ -20,24 +26,49 @@ import torch
 
 
 @dataclass
-class SeqKV:
-    """Private (per-request) K/V for every layer and every position of one sequence.
-    k, v: [L, N, Hkv, Dh]."""
+class KVStore:
+    """Rows of K/V shared by every sequence and the prefix pool; ``h`` holds the residual leaving
+    the layer for prefix-pool rows (rows ``[0, len(h))``). k, v: [R, Hkv, Dh]; h: [R_prefix, D]."""
 
     k: torch.Tensor
     v: torch.Tensor
+    h: torch.Tensor
 
     @classmethod
-    def allocate(cls, n_layers: int, seq_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> "SeqKV":
-        # Uninitialised on purpose: a sequence's first forward writes every position of every
-        # layer (or copies it from the prefix pool) before any attention reads it.
-        shape = (n_layers, seq_len, n_kv_heads, head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    def allocate(cls, n_rows: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 prefix_rows: int = 0, hidden: int = 0) -> "KVStore":
+        # Uninitialised on purpose: a row is always written by a forward before any attention reads it.
+        k = torch.empty((n_rows, n_kv_heads, head_dim), dtype=dtype, device=device)
+        return cls(k, torch.empty_like(k), torch.empty((prefix_rows, hidden), dtype=dtype, device=device))
+
+    @classmethod
+    def for_sequences(cls, cfg, lengths: list[int], dtype: torch.dtype,
+                      device: torch.device) -> tuple["KVStore", list["SeqKV"]]:
+        """A store holding exactly the private K/V of sequences of ``lengths`` (tests, tools)."""
+        store = cls.allocate(cfg.n_layers * sum(lengths), cfg.n_kv_heads, cfg.head_dim, dtype, device)
+        kvs, base = [], 0
+        for n in lengths:
+            rows = np.arange(base, base + cfg.n_layers * n, dtype=np.int64)
+            kvs.append(SeqKV(rows.reshape(cfg.n_layers, n).copy(), rows))
+            base += cfg.n_layers * n
+        return store, kvs
 
     @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+    def bytes_per_row(self) -> int:
+        return 2 * self.k[0].numel() * self.k.element_size()
+
+
+@dataclass
+class SeqKV:
+    """Where one sequence's K/V live: ``rows[l, j]`` is the store row of layer l, position j.
+    ``owned`` are the private rows allocated for it (freed with it); reused prefix rows are not."""
+
+    rows: np.ndarray  # int64 [L, N]
+    owned: np.ndarray  # int64
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.rows.shape[1])
 
 
 @dataclass
@@ -60,20 +91,21 @@ class SeqWork:
     logit_positions: np.ndarray  # int64: positions whose final hidden state goes through the LM head
     depth: int = 0
     skip: int = 0  # leading entries of `positions` that are S (only meaningful when depth > 0)
-    resume_h: torch.Tensor | None = None  # [skip, D]: residual stream of S entering layer `depth`
+    resume_rows: np.ndarray | None = None  # [skip] prefix-pool rows whose h is S entering layer `depth`
     capture: Capture | None = None
 
     def __post_init__(self) -> None:
         if self.depth == 0 or self.skip == 0:
-            self.depth, self.skip, self.resume_h = 0, 0, None
+            self.depth, self.skip, self.resume_rows = 0, 0, None
 
 
 @dataclass
 class Segment:
     start_layer: int
+    end_layer: int
     rows: np.ndarray  # indices into the full layout, ascending
     q_indptr: list[int]  # per sequence, into the packed active rows
-    seq_positions: list[torch.Tensor]  # per sequence: positions of its active rows (long, device)
+    write_rows: torch.Tensor  # [end_layer - start_layer, n_active] store row of each active row, per layer
     join_into: torch.Tensor | None = None  # where the previous segment's rows land in this one
     join_new: torch.Tensor | None = None  # where the joining rows land
     join_h: torch.Tensor | None = None  # [n_join, D] their residual stream
@@ -83,6 +115,7 @@ class Segment:
 class ForwardBatch:
     seqs: list[SeqWork]
     device: torch.device
+    store: KVStore
     segments: list[Segment] = field(default_factory=list)
     row_ids: torch.Tensor | None = None  # [T] token id per full-layout row
     row_pos: torch.Tensor | None = None  # [T] position per full-layout row
@@ -120,24 +153,27 @@ class ForwardBatch:
         self._offsets = offsets
         starts = sorted({0} | {d for d in depths if d > 0 and d < n_layers})
         prev_rows = None
-        for start in starts:
+        for si, start in enumerate(starts):
+            end = starts[si + 1] if si + 1 < len(starts) else n_layers
             inactive = np.zeros(T, dtype=bool)
             for s_i, s in enumerate(self.seqs):
                 if s.depth > start:
                     inactive[skip_rows[s_i]] = True
             rows = np.nonzero(~inactive)[0]
-            q_indptr, seq_pos = [0], []
-            for s_i in range(len(self.seqs)):
+            q_indptr, write = [0], []
+            for s_i, s in enumerate(self.seqs):
                 lo, hi = np.searchsorted(rows, [offsets[s_i], offsets[s_i + 1]])
                 q_indptr.append(int(hi))
-                seq_pos.append(torch.from_numpy(all_pos[rows[lo:hi]]).to(dev))
-            seg = Segment(start, rows, q_indptr, seq_pos)
+                write.append(s.kv.rows[start:end][:, all_pos[rows[lo:hi]]])
+            write_rows = np.concatenate(write, axis=1) if write else np.zeros((end - start, 0), dtype=np.int64)
+            seg = Segment(start, end, rows, q_indptr, torch.from_numpy(np.ascontiguousarray(write_rows)).to(dev))
             if prev_rows is not None:
                 seg.join_into = torch.from_numpy(np.searchsorted(rows, prev_rows)).to(dev)
                 joined = [i for i, s in enumerate(self.seqs) if s.depth == start]
                 new_rows = np.concatenate([skip_rows[i] for i in joined])
                 seg.join_new = torch.from_numpy(np.searchsorted(rows, new_rows)).to(dev)
-                seg.join_h = torch.cat([self.seqs[i].resume_h for i in joined], dim=0)
+                resume = np.concatenate([self.seqs[i].resume_rows for i in joined])
+                seg.join_h = self.store.h[torch.from_numpy(resume).to(dev)]
             self.segments.append(seg)
             prev_rows = rows
         return self

@@ -177,11 +177,12 @@ class DiffusionLM(nn.Module):
 
     # ---- packed, cache-aware forward ----------------------------------------------------------
     @torch.no_grad()
-    def forward_batch(self, fb: ForwardBatch, attn: AttentionBackend, pool=None) -> torch.Tensor:
+    def forward_batch(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Run one forward for every sequence in ``fb``; returns fp32 logits [len(fb.logit_rows), V]
-        in sequence order (fb.logit_indptr). ``pool`` (a PrefixPool) receives captures."""
-        cfg, L = self.cfg, self.cfg.n_layers
-        attn.begin_forward()
+        in sequence order (fb.logit_indptr). K/V are written to and read from ``fb.store``;
+        captures go to prefix rows of the same store."""
+        cfg, L, store = self.cfg, self.cfg.n_layers, fb.store
+        attn.begin_forward([s.kv.rows for s in fb.seqs])
         seg_iter = iter(fb.segments)
         seg = next(seg_iter)
         next_seg = next(seg_iter, None)
@@ -189,7 +190,7 @@ class DiffusionLM(nn.Module):
         h = self.embed(fb.row_ids[rows_t])
         self.fuse()
         rope = self.rope_for(fb.row_pos[rows_t])
-        captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None and pool is not None]
+        captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None]
         for li, layer in enumerate(self.layers):
             if next_seg is not None and next_seg.start_layer == li:
                 new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
@@ -202,20 +203,18 @@ class DiffusionLM(nn.Module):
             for i, c in captures:  # residual leaving layer li - 1
                 if li - 1 in c.layers:
                     pos, prow = c.layers[li - 1]
-                    pool.write_h(prow, h[fb.segment_rows(i, pos, seg)])
+                    store.h.index_copy_(0, prow, h[fb.segment_rows(i, pos, seg)].to(store.h.dtype))
             q, k, v = self._qkv(layer, h, rope)
-            keys, vals = [], []
-            for i, s in enumerate(fb.seqs):
-                a, b = seg.q_indptr[i], seg.q_indptr[i + 1]
-                s.kv.k[li].index_copy_(0, seg.seq_positions[i], k[a:b])
-                s.kv.v[li].index_copy_(0, seg.seq_positions[i], v[a:b])
-                keys.append(s.kv.k[li])
-                vals.append(s.kv.v[li])
+            # one write per layer for every computed row of every sequence
+            wr = seg.write_rows[li - seg.start_layer]
+            store.k.index_copy_(0, wr, k.to(store.k.dtype))
+            store.v.index_copy_(0, wr, v.to(store.v.dtype))
             for i, c in captures:
                 if li in c.layers:
                     pos, prow = c.layers[li]
                     r = fb.segment_rows(i, pos, seg)
-                    pool.write_kv(prow, k[r], v[r])
+                    store.k.index_copy_(0, prow, k[r].to(store.k.dtype))
+                    store.v.index_copy_(0, prow, v[r].to(store.v.dtype))
             if li == L - 1:
                 # The last layer's outputs matter only where logits are read: every other row
                 # needed just its K/V (written above), so attention/MLP run on logit rows only.
@@ -227,7 +226,7 @@ class DiffusionLM(nn.Module):
                 layout = ("logits",)
             else:
                 q_indptr, layout = seg.q_indptr, ("seg", seg.start_layer)
-            a_out = attn.attend(q, keys, vals, q_indptr, layout).reshape(q.shape[0], -1)
+            a_out = attn.attend(q, store.k, store.v, li, q_indptr, layout).reshape(q.shape[0], -1)
             h = h + layer.o_proj(a_out)
             h = h + layer.mlp(h)
         return self.lm_logits(h)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,6 +84,7 @@ class Req:
         self.cache = CacheGrant()
         # online audit: a no-reuse shadow of the first forward (transient, not in kv_lengths)
         self.audit_kv: SeqKV | None = None
+        self.auditing = False  # the next forward carries the audit shadow
         self.audit_pair: tuple[torch.Tensor, torch.Tensor] | None = None  # (reused, exact) logits
         # decoding progress
         self.block = 0
@@ -146,7 +148,11 @@ class Req:
         if self.needs_score:
             self.score_kv = alloc(self.prompt_len)
 
-    def free_buffers(self) -> None:
+    def free_buffers(self, free: Callable[[SeqKV], None]) -> None:
+        """Give every private K/V buffer back (``free``: the pool's)."""
+        for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv, self.audit_kv):
+            if kv is not None:
+                free(kv)
         self.kv = self.uncond = self.score_kv = self.audit_kv = None
 
     # ---------------------------------------------------------------------------------- planning
@@ -186,14 +192,14 @@ class Req:
         depth = self.choice.depth if refresh else 0
         skip = self.choice.prefix if refresh else 0
         works.append(SeqWork(self.kv, self.x, positions, masked - self.shift, depth=depth, skip=skip,
-                             resume_h=self.cache.resume_h if skip else None, capture=self.cache.capture))
+                             resume_rows=self.cache.resume_rows if skip else None, capture=self.cache.capture))
         if self.uncond is not None:
             x_un, kv_un = self.uncond
             x_un[self.prompt_len:] = self.x[self.prompt_len:]
             works.append(SeqWork(kv_un, x_un, positions, masked - self.shift))
         if self.needs_score and self.forward_passes == 0:
             works.append(self._score_work())
-        if self.audit_kv is not None:  # first forward only: the same positions without reuse
+        if self.auditing:  # first forward only: the same positions without reuse
             works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift))
         self._count(positions, depth, skip, n_layers)
         return works
@@ -235,9 +241,9 @@ class Req:
             self.final_len = 0
             self._finish({"type": "length", "length": 0})
             return True
-        if self.audit_kv is not None:
+        if self.auditing:
             self.audit_pair, logits = (logits[0], logits[-1]), logits[:-1]
-            self.audit_kv = None
+            self.auditing = False
         lg = logits[0]
         k = 1
         if self.uncond is not None:
@@ -308,7 +314,6 @@ class Req:
             out.append((lpv, self.prompt[pos], tops))
         self.input_logprobs = out
         self._score_pending = None
-        self.score_kv = None
 
     # -------------------------------------------------------------------------------- stopping
     def _check_stop(self) -> None:

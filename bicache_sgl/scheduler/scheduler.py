@@ -8,7 +8,8 @@ set, so it is tested on CPU in milliseconds.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 
 class Schedulable(Protocol):
