@@ -1,4 +1,5 @@
-"""``bicache_sgl.Runtime``: the server in a child process, for SGLang frontend programs.
+"""``bicache_sgl.Runtime``: the server in a child process, for SGLang frontend programs, and the
+one launcher of server processes (the tests and every benchmark script start servers with it).
 
 Like ``sgl.Runtime``::
 
@@ -11,14 +12,17 @@ Like ``sgl.Runtime``::
 
 Keyword arguments are server flags (``block_length=8`` -> ``--block-length 8``; ``True`` for a
 switch, ``False``/``None`` to leave it out). The child listens on a free loopback port; the
-constructor returns once ``/health_generate`` answers 200.
+constructor returns once ``/health_generate`` answers 200. ``parse_server_args`` turns a
+command-line string of server flags into those keyword arguments.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,7 +31,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -51,6 +58,49 @@ def server_flags(kwargs: dict[str, Any]) -> list[str]:
         else:
             out.extend([flag, str(value)])
     return out
+
+
+def parse_server_args(text: str | None) -> dict[str, Any]:
+    """The inverse of :func:`server_flags`: ``"--block-length 8 --disable-radix-cache"`` ->
+    ``{"block_length": "8", "disable_radix_cache": True}`` (``--flag=value`` works too; a flag with
+    several values gives a list)."""
+    out: dict[str, Any] = {}
+    key = None
+    for tok in shlex.split(text or ""):
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            key = name.replace("-", "_")
+            if not key:
+                raise ValueError(f"bad server flag {tok!r}")
+            out[key] = value if eq else True
+            if eq:
+                key = None
+        elif key is None:
+            raise ValueError(f"server argument {tok!r} does not follow a --flag")
+        elif out[key] is True:
+            out[key] = tok
+        elif isinstance(out[key], list):
+            out[key].append(tok)
+        else:
+            out[key] = [out[key], tok]
+    return out
+
+
+def http_json(url: str, payload: Any = None, *, method: str | None = None, api_key: str | None = None,
+              timeout: float | None = None) -> Any:
+    """GET (or POST with a JSON ``payload``) ``url``; the parsed JSON answer, else its text.
+    Raises ``urllib.error.URLError`` / ``HTTPError`` (an ``OSError``) when the server does not answer 2xx."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        body = r.read()
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
 
 
 class Runtime:
@@ -77,12 +127,12 @@ class Runtime:
             fd, log_path = tempfile.mkstemp(prefix="bicache-sgl-server-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self._log = open(log_path, "ab")
         child_env = dict(os.environ)
         child_env.update(env or {})
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
-            start_new_session=True)
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
+                start_new_session=True)
         atexit.register(self.shutdown)
         try:
             self._wait_ready(timeout)
@@ -129,31 +179,34 @@ class Runtime:
         return self._endpoint
 
     # ------------------------------------------------------------------------------------------
-    def _request(self, path: str, payload: Any = None, method: str | None = None) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-        with urllib.request.urlopen(req) as r:
-            body = r.read()
-        try:
-            return json.loads(body)
-        except ValueError:
-            return body.decode("utf-8", "replace")
+    def request(self, path: str, payload: Any = None, method: str | None = None,
+                timeout: float | None = None) -> Any:
+        """``path`` on this server (with the API key), parsed as by :func:`http_json`."""
+        return http_json(self.url + path, payload, method=method, api_key=self.api_key, timeout=timeout)
 
-    def generate(self, prompt: str | list[str], sampling_params: dict | None = None, **kwargs: Any) -> Any:
-        """POST /generate and return the parsed JSON (a dict, or a list for a list of prompts)."""
-        return self._request("/generate", {"text": prompt, "sampling_params": sampling_params or {}, **kwargs})
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
+                 timeout: float | None = None, **kwargs: Any) -> Any:
+        """POST /generate and return the parsed JSON (a dict, or a list for a list of prompts).
+        Other fields (``input_ids=...``, ``stream``...) go into the request as they are."""
+        payload = {"sampling_params": sampling_params or {}, **kwargs}
+        if prompt is not None:
+            payload["text"] = prompt
+        return self.request("/generate", payload, timeout=timeout)
 
     def get_server_info(self) -> dict:
-        return self._request("/get_server_info")
+        return self.request("/get_server_info", timeout=60)
+
+    def internal_state(self) -> dict:
+        """The scheduler's counters and cache statistics (``internal_states[0]`` of /get_server_info)."""
+        return (self.get_server_info().get("internal_states") or [{}])[0]
 
     def get_model_info(self) -> dict:
-        return self._request("/get_model_info")
+        return self.request("/get_model_info", timeout=60)
 
-    def flush_cache(self) -> Any:
-        return self._request("/flush_cache", method="POST")
+    def flush_cache(self, timeout: float | None = None) -> Any:
+        """POST /flush_cache; with ``timeout`` the server retries that long while requests run."""
+        return self.request("/flush_cache" + ("" if timeout is None else f"?timeout={timeout:g}"), method="POST",
+                            timeout=None if timeout is None else timeout + 30)
 
     def cache_prefix(self, prefix: str) -> None:
         self.generate(prefix, {"max_new_tokens": 0})
@@ -173,21 +226,14 @@ class Runtime:
                 except (ProcessLookupError, PermissionError):
                     proc.kill()
                 proc.wait(5)
-        if getattr(self, "_log", None) is not None and not self._log.closed:
-            self._log.close()
-        try:
-            atexit.unregister(self.shutdown)
-        except Exception:  # noqa: BLE001
-            pass
+        atexit.unregister(self.shutdown)
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
             self.shutdown(timeout=5.0)
-        except Exception:  # noqa: BLE001
-            pass

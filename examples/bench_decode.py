@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
             t = time.perf_counter()
             out = eng.generate(input_ids=prompt, sampling_params={**sp, "cache_mode": mode})
             dt = time.perf_counter() - t
-            res[mode] = (len(out["output_ids"]) / dt, out["meta_info"]["forward_passes"], out["meta_info"]["tokens_computed"])
+            meta = out["meta_info"]
+            res[mode] = (len(out["output_ids"]) / dt, meta["forward_passes"], meta["tokens_computed"])
         print(f"\nmodel: {args.layers} layers, hidden {args.hidden}; prompt {args.prompt_len}, gen {args.gen_len}, "
               f"block {args.block_length}, steps {args.steps}\n")
         print("| cache mode | tokens/s | forwards | tokens computed | speedup vs none |")

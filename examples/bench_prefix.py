@@ -1,12 +1,12 @@
 """Shared-prefix benchmark: bicache vs off vs naive prefix caching, one run, same engine settings.
 
-Workload: --groups groups of --per-group requests; the requests of a group share a long prefix
-and differ in a question (random task: --prefix-len and --question-len tokens; fewshot task:
---shots examples, then one question); each generates --max-new-tokens. With the defaults the
-shared prefix is 0.75-0.8 of each sequence (r = prefix / (prompt + generation region)). Every mode runs the same requests, submitted all at
-once, through a fresh Engine with the same settings (the ``dual`` in-request cache and confidence-
-threshold decoding); only --prefix-cache differs. Reported per mode: requests/s, output tokens/s,
-the speedup over ``off``, the fraction of layer-token computation saved
+Workload: --groups groups of --per-group requests; the requests of a group share a long prefix and
+differ in a question (random task: --prefix-len and --question-len tokens; fewshot task: --shots
+examples, then one question); each generates --max-new-tokens. With the defaults the shared prefix
+is 0.75-0.8 of each sequence (r = prefix / (prompt + generation region)). Every mode runs the same
+requests, submitted all at once, through a fresh Engine with the same settings (the ``dual``
+in-request cache and confidence-threshold decoding); only --prefix-cache differs. Reported per mode:
+requests/s, output tokens/s, the speedup over ``off``, the fraction of layer-token computation saved
 (engine.get_stats()["saved_compute_fraction"]), the prefix-cache hit rate, the mean depth and r
 used, how many outputs are identical to ``off``'s, and, with --task fewshot, the accuracy.
 

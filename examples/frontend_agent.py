@@ -89,7 +89,7 @@ def main() -> None:
             # a made-up r -> depth table (real ones come from calibration) so bicache reuses layers
             with open(os.path.join(model, "bicache_profile.json"), "w") as f:
                 json.dump({"n_layers": 4, "table": [[0, 0], [50, 2], [80, 3]]}, f)
-            server_args = dict(block_length=8, steps_per_block=4, threshold="none", num_threads=1)
+            server_args = {"block_length": 8, "steps_per_block": 4, "threshold": "none", "num_threads": 1}
         print("starting the server ...", flush=True)
         runtime = Runtime(model_path=model, api_key=args.api_key, **server_args)
         print(f"server at {runtime.url} (log: {runtime.log_path})")
@@ -108,7 +108,7 @@ def main() -> None:
                   f"{m.get('bicache_depth', '-'):>7}{m['completion_tokens']:>5}{m['e2e_latency']:>8.2f}s")
         info = backend.get_server_info()["internal_states"][0]
         print(f"\nserver: prefix cache {info.get('prefix_cache')}, token hit rate "
-              f"{info.get('cache_token_hit_rate', 0):.2f}, tokens per forward {info['avg_spec_accept_length']:.2f}")
+              f"{info.get('cache_token_hit_rate', 0):.2f}, tokens per forward {info['avg_tokens_per_forward']:.2f}")
     finally:
         if runtime is not None:
             runtime.shutdown()

@@ -2,8 +2,9 @@
 
 Every test there runs against a real server subprocess on a free loopback port, serving a tiny
 random LLaDA checkpoint (``bicache_sgl.testing.make_tiny_llada``) with one torch thread. The
-servers are started by :func:`serve` (a context manager that always kills the server) and
-observed only through HTTP (``/get_server_info``) and ``/proc`` (resident memory).
+servers are started by :func:`serve` (``bicache_sgl.runtime.Runtime`` in a context manager that
+always kills the server) and observed only through HTTP (``/get_server_info``) and ``/proc``
+(resident memory, ``bicache_sgl.bench.procmem``).
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import requests
+from bicache_sgl.bench.procmem import rss_bytes  # noqa: F401 - re-exported for the tests
+from bicache_sgl.runtime import Runtime
+from bicache_sgl.testing import make_tiny_llada
 
-DEFAULT_FLAGS: dict[str, Any] = dict(block_length=8, steps_per_block=2, threshold="none", context_length=384,
-                                     num_threads=1, random_seed=0, timeout=180)
+DEFAULT_FLAGS: dict[str, Any] = {"block_length": 8, "steps_per_block": 2, "threshold": "none", "context_length": 384,
+                                 "num_threads": 1, "random_seed": 0, "timeout": 180}
 
 
 @contextlib.contextmanager
 def serve(folder: Path, *, seed: int = 0, **flags: Any) -> Iterator[Any]:
     """Start ``python -m bicache_sgl.launch_server`` on a tiny model in ``folder``; yield the
     :class:`bicache_sgl.runtime.Runtime`; always stop it (even when the test failed)."""
-    from bicache_sgl.runtime import Runtime
-    from bicache_sgl.testing import make_tiny_llada
-
     folder = Path(folder)
     model = make_tiny_llada(folder / "model", seed=seed)
     kw = {**DEFAULT_FLAGS, **flags}
@@ -41,14 +42,8 @@ def serve(folder: Path, *, seed: int = 0, **flags: Any) -> Iterator[Any]:
         rt.shutdown()
 
 
-def auth(rt: Any) -> dict[str, str]:
-    return {"Authorization": f"Bearer {rt.api_key}"} if getattr(rt, "api_key", None) else {}
-
-
-def server_state(rt: Any) -> dict[str, Any]:
-    r = requests.get(rt.url + "/get_server_info", headers=auth(rt), timeout=30)
-    r.raise_for_status()
-    return r.json()["internal_states"][0]
+def server_state(rt: Runtime) -> dict[str, Any]:
+    return rt.internal_state()
 
 
 def wait_idle(rt: Any, timeout: float = 20.0) -> dict[str, Any]:
@@ -76,21 +71,6 @@ def assert_pool_integrity(st: dict[str, Any], *, idle: bool = True) -> None:
         assert in_flight == 0, f"{in_flight} slots still in flight while idle"
         assert st["prefix_cache_protected_tokens"] == 0, "cache locks not released while idle"
         assert used == st["prefix_cache_evictable_tokens"]
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (psutil when installed, else /proc)."""
-    try:
-        import psutil  # type: ignore[import-not-found]
-
-        return int(psutil.Process(pid).memory_info().rss)
-    except ImportError:
-        pass
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def sse_frames(lines: Any) -> list[Any]:

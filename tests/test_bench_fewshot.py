@@ -1,4 +1,5 @@
-"""examples/bench_fewshot.py: the helpers as units, and main() end to end against real servers.
+"""bicache_sgl.bench.fewshot (examples/bench_fewshot.py): the helpers as units, and main() end to end
+against real servers.
 
 - a tiny random LLaDA on a small GSM8K-format file, with ``--launch`` (the script starts and stops
   its own server): the output lines and the result-file line have the right shape;
@@ -8,7 +9,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,20 +16,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "bench_fewshot.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_fewshot", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from bicache_sgl.bench import fewshot as bench
 
 # ------------------------------------------------------------------------------------- units
 
-def test_base_url_accepts_sglang_and_plain_hosts(bench):
+def test_base_url_accepts_sglang_and_plain_hosts():
     assert bench.base_url("http://127.0.0.1", 30000) == "http://127.0.0.1:30000"  # SGLang's default
     assert bench.base_url("127.0.0.1", 30000) == "http://127.0.0.1:30000"
     assert bench.base_url("localhost", 8080) == "http://localhost:8080"
@@ -39,7 +30,7 @@ def test_base_url_accepts_sglang_and_plain_hosts(bench):
     assert bench.base_url("http://[::1]", 30000) == "http://[::1]:30000"
 
 
-def test_defaults_follow_sglang(bench):
+def test_defaults_follow_sglang():
     a = bench.parse_args([])
     assert (a.host, a.port, a.backend, a.num_shots, a.num_questions, a.result_file) == \
         ("http://127.0.0.1", 30000, "srt", 5, 200, "result.jsonl")
@@ -48,7 +39,7 @@ def test_defaults_follow_sglang(bench):
     assert bench.parse_args(["--data-path", "x.jsonl"]).max_new_tokens == 512
 
 
-def test_gsm8k_answer_extraction(bench):
+def test_gsm8k_answer_extraction():
     gold = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nIn total 48+24 = <<48+24=72>>72 clips.\n#### 72"
     assert bench.gsm8k_label(gold) == 72
     assert bench.gsm8k_label("It costs 1,000 + 234 = 1,234 dollars\n#### 1,234") == 1234
@@ -59,7 +50,7 @@ def test_gsm8k_answer_extraction(bench):
     assert bench.get_answer_value("") == bench.INVALID
 
 
-def test_gsm8k_prompt_layout(bench, tmp_path):
+def test_gsm8k_prompt_layout(tmp_path):
     p = tmp_path / "d.jsonl"
     rows = [{"question": f"What is {i}+1?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(4)]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
@@ -73,7 +64,7 @@ def test_gsm8k_prompt_layout(bench, tmp_path):
         bench.load_gsm8k(str(p), 2, 3, "shuffle")
 
 
-def test_bundled_items_and_controls(bench):
+def test_bundled_items_and_controls():
     from bicache_sgl.training import task
 
     items = bench.load_bundled(5, 20, "none")
@@ -94,12 +85,29 @@ def test_bundled_items_and_controls(bench):
     assert bench.score_bundled("") == ("", True)
 
 
-def test_parse_server_args(bench):
-    assert bench.parse_server_args('--num-threads 1 --threshold=none --disable-radix-cache --x a b') == \
+def test_parse_server_args_inverts_server_flags():
+    from bicache_sgl.runtime import parse_server_args, server_flags
+
+    assert parse_server_args('--num-threads 1 --threshold=none --disable-radix-cache --x a b') == \
         {"num_threads": "1", "threshold": "none", "disable_radix_cache": True, "x": ["a", "b"]}
-    assert bench.parse_server_args(None) == {}
+    assert parse_server_args(None) == {}
     with pytest.raises(ValueError):
-        bench.parse_server_args("stray")
+        parse_server_args("stray")
+    flags = ["--block-length", "8", "--disable-radix-cache", "--prefix-cache", "fixed:2", "--x", "a", "b"]
+    assert server_flags(parse_server_args(" ".join(flags))) == flags
+
+
+@pytest.mark.parametrize("script,flag", [("bench_fewshot.py", "--launch"), ("bench_serving_sweep.py", "--interleave")])
+def test_example_scripts_are_the_package_cli(script, flag):
+    """The scripts in examples/ run the package's main(): their --help is the package's."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "examples" / script
+    p = subprocess.run([sys.executable, str(path), "--help"], check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert flag in p.stdout
+    assert len(path.read_text().splitlines()) < 30  # a thin CLI: the logic lives in bicache_sgl.bench
 
 
 # ------------------------------------------------------------------------------------- end to end
@@ -130,7 +138,7 @@ def _check_result_line(path: Path, *, task: str, n: int) -> dict:
     return r
 
 
-def test_main_tiny_gsm8k_launch(bench, tmp_path, tiny_llada, capsys):
+def test_main_tiny_gsm8k_launch(tmp_path, tiny_llada, capsys):
     pytest.importorskip("sglang")
     data = tmp_path / "gsm.jsonl"
     rows = [{"question": f"Tom has {i} apples and buys {i + 2} more. How many apples does he have?",
@@ -152,7 +160,7 @@ def test_main_tiny_gsm8k_launch(bench, tmp_path, tiny_llada, capsys):
     assert [x["label"] for x in raw] == [2, 4, 6, 8]
 
 
-def test_main_bundled_model(bench, tmp_path, capsys):
+def test_main_bundled_model(tmp_path, capsys):
     pytest.importorskip("sglang")
     from bicache_sgl import Runtime
     from bicache_sgl.models.loader import default_model_path
@@ -171,7 +179,7 @@ def test_main_bundled_model(bench, tmp_path, capsys):
     assert r["other"]["request_cache_hit_rate"] > 0.5  # every question finds its family's block
 
 
-def test_no_server_is_a_clear_error(bench, tmp_path):
+def test_no_server_is_a_clear_error(tmp_path):
     pytest.importorskip("sglang")
     from bicache_sgl.runtime import find_free_port
 

@@ -1,4 +1,5 @@
-"""examples/bench_serving_sweep.py: the helpers as units, and a tiny end-to-end sweep.
+"""bicache_sgl.bench.serving_sweep (examples/bench_serving_sweep.py): the helpers as units, and a tiny
+end-to-end sweep.
 
 The end-to-end case starts two real servers (dual, bicache+dual) on a tiny random LLaDA and drives
 each with SGLang's own ``bench_serving`` (generated-shared-prefix), then checks the table, the plot
@@ -7,26 +8,16 @@ and the JSON. Counts are tiny: it is a smoke test of the plumbing, not a measure
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "bench_serving_sweep.py"
-
-
-@pytest.fixture(scope="module")
-def sweep():
-    spec = importlib.util.spec_from_file_location("bench_serving_sweep", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from bicache_sgl.bench import serving_sweep as sweep
 
 # ------------------------------------------------------------------------------------- units
 
-def test_gsp_lengths_hit_the_fraction(sweep):
+def test_gsp_lengths_hit_the_fraction():
     for r in (0.3, 0.5, 0.75, 0.9):
         p = sweep.gsp_lengths(r, 512, 32, 32)
         assert p["seq_len"] == 512
@@ -39,7 +30,7 @@ def test_gsp_lengths_hit_the_fraction(sweep):
         sweep.gsp_lengths(0.95, 64, 32, 32)
 
 
-def test_parse_args_quick_and_lists(sweep):
+def test_parse_args_quick_and_lists():
     a = sweep.parse_args([])
     assert a.config_list == ["vanilla", "dual", "naive+dual", "bicache+dual"]
     assert a.conc_list == [1, 16] and a.ratio_list == [0.3, 0.5, 0.75, 0.9]
@@ -56,10 +47,10 @@ def _row(cfg, wl="gsp r=0.9", r=0.9, conc=1, tput=100.0, work=1000, acc=None, ki
     return {"config": cfg, "workload": wl, "kind": kind, "r": r, "concurrency": conc, "output_throughput": tput,
             "request_throughput": tput / 32, "mean_latency": 1.0, "p99_latency": 2.0, "computed_layer_tokens": work,
             "skipped_layer_tokens": 0, "cached_tokens_total": 0, "cache_hit": 0.0, "skipped_fraction": 0.0,
-            "accuracy": acc, "prefix_cache_bytes_per_token": 0, "peak_rss": 2**20}
+            "accuracy": acc, "prefix_cache_bytes": 0, "peak_rss": 2**20}
 
 
-def test_speedups_targets_table_plot(sweep, tmp_path):
+def test_speedups_targets_table_plot(tmp_path):
     res = [_row("vanilla", tput=10.0, work=20000), _row("dual", tput=100.0, work=1000),
            _row("bicache+dual", tput=210.0, work=400),
            _row("dual", wl="fewshot", r=0.8, tput=50.0, work=800, acc=0.50, kind="fewshot"),
@@ -91,7 +82,7 @@ def test_speedups_targets_table_plot(sweep, tmp_path):
         assert Path(png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_best_run_and_vanilla_subset(sweep):
+def test_best_run_and_vanilla_subset():
     assert sweep.best_run([]) is None
     err = {"config": "dual", "error": "x"}
     assert sweep.best_run([err]) is err
@@ -105,7 +96,7 @@ def test_best_run_and_vanilla_subset(sweep):
 
 # ------------------------------------------------------------------------------------- end to end
 
-def test_tiny_sweep_end_to_end(sweep, tiny_llada, tmp_path, capsys):
+def test_tiny_sweep_end_to_end(tiny_llada, tmp_path, capsys):
     pytest.importorskip("sglang")
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"n_layers": 4, "table": [[0, 0], [50, 2]]}))
@@ -126,11 +117,13 @@ def test_tiny_sweep_end_to_end(sweep, tiny_llada, tmp_path, capsys):
     assert dual["cached_tokens_total"] == 0 and dual["skipped_layer_tokens"] == 0
     # later requests of a group reuse the system prompt at depth 2: counted work goes down
     assert bic["cached_tokens_total"] > 0 and bic["skipped_layer_tokens"] > 0
-    assert bic["x_dual_ideal"] > 1.0 and bic["prefix_cache_bytes_per_token"] > 0 and bic["peak_rss"] > 0
+    assert bic["x_dual_ideal"] > 1.0 and bic["prefix_cache_bytes"] > 0 and bic["peak_rss"] > 0
+    assert dual["prefix_cache_bytes"] == 0  # prefix cache off: no pool
     assert bic["prefix_cache_used_tokens"] <= bic["prefix_cache_capacity_tokens"]
     md = (out / "table.md").read_text()
     assert md.startswith("command: `python examples/bench_serving_sweep.py") and sweep.TABLE_HEAD in md
     assert "Targets (r >= 0.75)" in md
+    assert "- dual: no prefix pool" in md and "- bicache+dual: pool " in md and "within budget" in md
     assert json.loads((out / "results.json").read_text())["results"][1]["config"] == "bicache+dual"
     if summary["plot"]:
         assert (out / "sweep.png").stat().st_size > 0

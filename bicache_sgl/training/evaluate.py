@@ -1,9 +1,11 @@
-"""Greedy masked-diffusion evaluation of a trained checkpoint on the held-out task.
+"""Greedy masked-diffusion evaluation of a checkpoint on the held-out task, through the serving engine.
 
-Decoding (independent of the serving runtime): the prompt is followed by
-`gen_length` mask tokens; every step runs a full forward pass and unmasks the
-single most confident masked position with its argmax token, until none is left.
-The generated text is cut at the first EOS and compared to the answer (exact match).
+Decoding is the serving runtime's own (``bicache_sgl.Engine``, offline API), set to the plainest
+schedule: the prompt is followed by ``gen_length`` mask tokens in one block; every step runs a full
+forward (in-request cache ``none``, prefix cache ``off``) and unmasks the single most confident
+masked position with its argmax token (``threshold 0``, ``steps_per_block = gen_length``,
+``low_confidence`` remasking, temperature 0) until none is left. The output is cut at the first EOS
+and compared to the answer (exact match).
 
     python -m bicache_sgl.training.evaluate --model bicache_sgl/assets/default_model \\
         --num-questions 500 --num-shots 5 --gen-length 8 --control none,remove,shuffle
@@ -14,51 +16,33 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
+from typing import Any
 
-import torch
-
+from .. import Engine
 from . import task
-from . import tokenizer as tk
 
 
-@torch.no_grad()
-def greedy_generate(model, prompts_ids: list, gen_length: int, batch_size: int = 256) -> list:
-    """Return the generated id lists (length gen_length each) for each prompt."""
-    model.eval()
-    mask_id = model.config.mask_token_id
-    out = [None] * len(prompts_ids)
-    by_len = defaultdict(list)
-    for i, p in enumerate(prompts_ids):
-        by_len[len(p)].append(i)
-    for plen, idxs in by_len.items():
-        for s in range(0, len(idxs), batch_size):
-            chunk = idxs[s:s + batch_size]
-            x = torch.full((len(chunk), plen + gen_length), mask_id, dtype=torch.long)
-            for r, i in enumerate(chunk):
-                x[r, :plen] = torch.tensor(prompts_ids[i], dtype=torch.long)
-            rows = torch.arange(len(chunk))
-            for _ in range(gen_length):
-                logits = model(x)[:, plen:].float()
-                probs = logits.softmax(-1)
-                conf, tok = probs.max(-1)
-                masked = x[:, plen:] == mask_id
-                conf = conf.masked_fill(~masked, -1.0)
-                pos = conf.argmax(-1)
-                x[rows, plen + pos] = tok[rows, pos]
-            for r, i in enumerate(chunk):
-                out[i] = x[r, plen:].tolist()
-    return out
+def make_engine(model_path: str | None = None, threads: int | None = 1, max_running_requests: int = 64,
+                **engine_args: Any):
+    """An engine for greedy one-token-per-step decoding with the prefix cache off."""
+    kw = {"prefix_cache": "off", "cache_mode": "none", "threshold": None,
+          "max_running_requests": max_running_requests, "num_threads": threads, "random_seed": 0}
+    return Engine(model_path, **{**kw, **engine_args})
 
 
-def score(model, items: list, gen_length: int = 8, batch_size: int = 256) -> dict:
-    prompts = [tk.encode(it["prompt"]) for it in items]
-    gens = greedy_generate(model, prompts, gen_length, batch_size)
+def greedy_params(gen_length: int) -> dict[str, Any]:
+    """One block of ``gen_length`` positions, one token unmasked per step, no cache, argmax."""
+    return {"max_new_tokens": gen_length, "block_length": gen_length, "steps_per_block": gen_length,
+            "threshold": 0.0, "remasking": "low_confidence", "cache_mode": "none", "temperature": 0.0}
+
+
+def score(engine, items: list, gen_length: int = 8) -> dict:
+    """Accuracy, share of invalid answers (not a single value character), and the outputs."""
+    outs = engine.generate([it["prompt"] for it in items], greedy_params(gen_length)) if items else []
     correct, invalid, outputs = 0, 0, []
-    for it, g in zip(items, gens):
-        text = tk.decode(g)
-        pred = task.extract_answer(text)
-        outputs.append(text)
+    for it, out in zip(items, outs):
+        pred = task.extract_answer(out["text"])
+        outputs.append(out["text"])
         if pred not in task.VALUE_CHARS or not pred:
             invalid += 1
         correct += int(pred == it["answer"])
@@ -77,25 +61,23 @@ def main(argv=None):
                     help="comma-separated subset of none,remove,shuffle")
     ap.add_argument("--kind", default=task.DEFAULT_KIND, choices=list(task.KINDS))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-running-requests", type=int, default=64, help="requests decoded in one batch")
+    ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from .model import LLaDAModelLM
-
-    folder = args.model
-    if folder is None:
-        import os
-        folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "default_model")
-    model = LLaDAModelLM.from_pretrained(folder)
-    for shots in [int(s) for s in args.num_shots.split(",")]:
-        items = task.heldout_items(args.num_questions, shots, args.seed, kind=args.kind)
-        for g in [int(s) for s in args.gen_length.split(",")]:
-            for mode in args.control.split(","):
-                its = items if mode == "none" else task.control_items(items, mode, args.seed)
-                t0 = time.time()
-                r = score(model, its, g)
-                print(json.dumps({"num_shots": shots, "gen_length": g, "control": mode,
-                                  "accuracy": round(r["accuracy"], 4), "invalid": round(r["invalid"], 4),
-                                  "n": r["n"], "seconds": round(time.time() - t0, 1)}), flush=True)
+    engine = make_engine(args.model, args.threads, args.max_running_requests, device=args.device)
+    try:
+        for shots in [int(s) for s in args.num_shots.split(",")]:
+            items = task.heldout_items(args.num_questions, shots, args.seed, kind=args.kind)
+            for g in [int(s) for s in args.gen_length.split(",")]:
+                for mode in args.control.split(","):
+                    its = items if mode == "none" else task.control_items(items, mode, args.seed)
+                    t0 = time.time()
+                    r = score(engine, its, g)
+                    print(json.dumps({"num_shots": shots, "gen_length": g, "control": mode,
+                                      "accuracy": round(r["accuracy"], 4), "invalid": round(r["invalid"], 4),
+                                      "n": r["n"], "seconds": round(time.time() - t0, 1)}), flush=True)
+    finally:
+        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
 
 # Upper-case letters except "A" and "Q" (which begin "Answer" / "Question").
 KEY_CHARS = "BCDEFGHIJKLMNOPRSTUVWXYZ"
@@ -131,7 +131,7 @@ def build_prefix(examples: Sequence[Pair]) -> str:
     return EXAMPLE_SEP.join(format_example(q, a) for q, a in examples)
 
 
-def build_prompt(prefix_examples: Union[str, Sequence[Pair]], question: str) -> str:
+def build_prompt(prefix_examples: str | Sequence[Pair], question: str) -> str:
     """Few-shot prefix (a string from `build_prefix` or a list of (q, a)) + the question.
 
     The model is expected to continue with ``" " + answer`` and then EOS.

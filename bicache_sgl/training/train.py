@@ -1,5 +1,9 @@
 """Train the bundled masked-diffusion LM (LLaDA format) on the few-shot task (task.py).
 
+The model is the serving runtime's own ``bicache_sgl.models.DiffusionLM`` (its differentiable
+``forward``); checkpoints are written with LLaDA's tensor names (``models/weights.py``), so
+``bicache_sgl.models.loader.load_model`` and the server read them as they are.
+
     python -m bicache_sgl.training.train --task code --out bicache_sgl/assets/default_model \\
         --seed 0 --steps 1200 --minutes 600
 
@@ -23,7 +27,8 @@ run is reproducible step for step as long as the ``--minutes`` wall-clock cap do
 not bind (the learning-rate schedule follows the step count, or the fraction of
 ``--minutes`` used when that is further along, so a capped run still anneals).  A checkpoint (config.json,
 model.safetensors, tokenizer files, train_info.json) is written to ``--out`` every
-``--save-every-min`` minutes and at the end.
+``--save-every-min`` minutes and at the end.  The quick evaluations during training decode
+through the serving engine (``evaluate.py``) from a temporary copy of the current weights.
 """
 
 from __future__ import annotations
@@ -34,14 +39,22 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from ..models.config import parse_model_config
+from ..models.model import DiffusionLM
+from ..models.weights import checkpoint_names
 from . import task
 from . import tokenizer as tk
-from .model import LLaDAConfig, LLaDAModelLM, num_params
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None):
@@ -163,26 +176,83 @@ def lr_at(step: int, args, elapsed_s: float = 0.0) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def save(model, args, out, info):
-    model.save_pretrained(out, dtype=args.save_dtype)
+def llada_config(args) -> dict[str, Any]:
+    """The checkpoint's config.json: LLaDA's keys (``LLaDAModelLM``), sized by the arguments."""
+    d, mlp = args.d_model, args.mlp_hidden or 3 * args.d_model
+    return {
+        "d_model": d, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_heads,
+        "mlp_hidden_size": mlp, "max_sequence_length": 1024, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "vocab_size": tk.VOCAB_SIZE, "embedding_size": tk.VOCAB_SIZE, "mask_token_id": tk.MASK_ID,
+        "eos_token_id": tk.EOS_ID, "pad_token_id": tk.PAD_ID, "weight_tying": args.weight_tying,
+        "torch_dtype": args.save_dtype, "architectures": ["LLaDAModelLM"], "model_type": "llada",
+        "mlp_ratio": mlp / d, "include_bias": False, "include_qkv_bias": False, "layer_norm_type": "rms",
+        "activation_type": "silu", "block_type": "llama", "rope": True, "scale_logits": False, "use_cache": False,
+    }
+
+
+def init_weights(model: DiffusionLM, generator: torch.Generator) -> None:
+    """Norms 1; the residual-branch outputs (o_proj, down_proj) N(0, 0.02 / sqrt(2 L)); the rest
+    N(0, 0.02). Drawn in parameter order (LLaDA's checkpoint order)."""
+    out_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)
+        else:
+            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            nn.init.normal_(p, 0.0, std, generator=generator)
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(obj: Any) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+    return write
+
+
+def save_checkpoint(model: DiffusionLM, config: dict[str, Any], out: str, dtype: str) -> None:
+    """config.json, model.safetensors (LLaDA tensor names) and the tokenizer, each written atomically."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    sd = model.state_dict()
+    names = checkpoint_names(model.cfg)
+    assert set(names) == set(sd), "DiffusionLM parameters and checkpoint names differ"
+    tensors = {ck: sd[ours].detach().to(DTYPES[dtype]).contiguous().clone() for ours, (ck, _) in names.items()}
+    _atomic_write(os.path.join(out, "model.safetensors"),
+                  lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    _atomic_write(os.path.join(out, "config.json"), _write_json({**config, "torch_dtype": dtype}))
     tk.save_tokenizer(out)
-    tmp = os.path.join(out, "train_info.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, os.path.join(out, "train_info.json"))
 
 
-def quick_eval(model, args, step):
-    from .evaluate import score
+def save(model, config, args, out, info):
+    save_checkpoint(model, config, out, args.save_dtype)
+    _atomic_write(os.path.join(out, "train_info.json"), _write_json(info))
+
+
+def quick_eval(model, config, args):
+    """Held-out accuracy of the current weights, decoded by the serving engine (float32 copy)."""
+    from .evaluate import make_engine, score
 
     res = {}
-    for shots in (5, args.max_shots):
-        items = task.heldout_items(args.eval_questions, shots, seed=1, kind=args.task)
-        res[f"acc@{shots}shot"] = score(model, items, gen_length=8)["accuracy"]
-    items = task.heldout_items(args.eval_questions, 5, seed=1, kind=args.task)
-    res["control_shuffle@5shot"] = score(model, task.control_items(items, "shuffle"), gen_length=8)["accuracy"]
-    model.train()
+    with tempfile.TemporaryDirectory(prefix="bicache-train-eval-") as tmp:
+        save_checkpoint(model, config, tmp, "float32")
+        engine = make_engine(tmp, threads=args.threads)
+        try:
+            for shots in (5, args.max_shots):
+                items = task.heldout_items(args.eval_questions, shots, seed=1, kind=args.task)
+                res[f"acc@{shots}shot"] = score(engine, items, gen_length=8)["accuracy"]
+            items = task.heldout_items(args.eval_questions, 5, seed=1, kind=args.task)
+            res["control_shuffle@5shot"] = score(engine, task.control_items(items, "shuffle"),
+                                                 gen_length=8)["accuracy"]
+        finally:
+            engine.shutdown()
     return res
 
 
@@ -194,27 +264,22 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rng = random.Random(f"bicache-train|{args.seed}")
     gen = torch.Generator().manual_seed(args.seed + 1)
-    cfg = LLaDAConfig(
-        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_heads,
-        mlp_hidden_size=args.mlp_hidden or 3 * args.d_model, max_sequence_length=1024,
-        vocab_size=tk.VOCAB_SIZE, embedding_size=tk.VOCAB_SIZE, mask_token_id=tk.MASK_ID,
-        eos_token_id=tk.EOS_ID, pad_token_id=tk.PAD_ID, weight_tying=args.weight_tying,
-        torch_dtype=args.save_dtype,
-    )
-    model = LLaDAModelLM(cfg)
-    model.init_weights(torch.Generator().manual_seed(args.seed))
+    config = llada_config(args)
+    model = DiffusionLM(parse_model_config(config))
+    init_weights(model, torch.Generator().manual_seed(args.seed))
+    n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    print(f"params: {num_params(model):,}  config: {json.dumps(cfg.to_hf_dict())}", flush=True)
+    print(f"params: {n_params:,}  config: {json.dumps(config)}", flush=True)
     print(f"args: {json.dumps(vars(args))}", flush=True)
 
     t0 = time.time()
     last_save = t0
     info = {"args": vars(args), "command": " ".join(["python -m bicache_sgl.training.train"] + sys.argv[1:]),
-            "params": num_params(model), "evals": []}
+            "params": n_params, "evals": []}
     ema = None
     pbar = tqdm(total=args.steps, mininterval=1.0 if sys.stderr.isatty() else 30.0, miniters=1,
                 dynamic_ncols=True, file=sys.stderr)
@@ -240,19 +305,19 @@ def main(argv=None):
         pbar.set_postfix(loss=f"{ema:.4f}", shots=max_shots_at(step, args), lr=f"{lr:.2e}",
                          refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
-            res = quick_eval(model, args, step)
+            res = quick_eval(model, config, args)
             elapsed = (time.time() - t0) / 60
             rec = {"step": step, "minutes": round(elapsed, 2), "loss_ema": round(ema, 4), **res}
             info["evals"].append(rec)
             tqdm.write(json.dumps(rec))
         if time.time() - last_save > args.save_every_min * 60:
             info.update(step=step, minutes=round((time.time() - t0) / 60, 2), finished=False)
-            save(model, args, args.out, info)
+            save(model, config, args, args.out, info)
             last_save = time.time()
             tqdm.write(f"checkpoint saved at step {step} -> {args.out}")
     pbar.close()
     info.update(step=step, minutes=round((time.time() - t0) / 60, 2), finished=True)
-    save(model, args, args.out, info)
+    save(model, config, args, args.out, info)
     print(f"done: step {step}, {info['minutes']} min, saved to {args.out}", flush=True)
 
 
