@@ -136,11 +136,15 @@ class CacheManager:
         self.in_flight_tokens += tokens_needed
         self.in_flight_rows += n_rows
         layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
         for layer in range(self.pool.n_layers):
-            pos = [np.arange(s, e, dtype=np.int64) for s, e, lo, hi in ranges if lo <= layer < hi]
-            if not pos:
+            active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= layer < hi)
+            if not active:
                 continue
-            pos_l = np.concatenate(pos)
+            if active not in by_set:
+                by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
+                                                 for j in active])
+            pos_l = by_set[active]
             rows = self.pool.rows.alloc(len(pos_l))
             grant.pending.append((slots[pos_l], layer, rows))
             layers[layer] = (pos_l, self.pool.to_device(rows))
@@ -156,9 +160,12 @@ class CacheManager:
         pending, grant.pending = grant.pending, []
         new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
         self.in_flight_tokens -= len(new_slots)
-        for slots, layer, rows in pending:
+        if pending:
+            slots = np.concatenate([sl for sl, _, _ in pending])
+            layers = np.concatenate([np.full(len(sl), layer, dtype=np.int64) for sl, layer, _ in pending])
+            rows = np.concatenate([r for _, _, r in pending])
             self.in_flight_rows -= len(rows)
-            self.pool.rows.free(self.pool.bind(slots, layer, rows))  # rows a concurrent upgrade beat
+            self.pool.rows.free(self.pool.bind(slots, layers, rows))  # rows a concurrent upgrade beat
         handle, new_leaf = grant.handle, None
         if len(new_slots):
             try:

@@ -135,12 +135,12 @@ class KVPool:
         return rows
 
     # Bookkeeping (host only).
-    def bind(self, slots: np.ndarray, layer: int, rows: np.ndarray) -> np.ndarray:
-        """Record ``rows`` as ``slots``' layer ``layer``; returns the rows NOT bound because the
-        slot already had that layer (a concurrent upgrade won): the caller frees them."""
-        cur = self.table[slots, layer]
-        new = cur < 0
-        self.table[slots[new], layer] = rows[new]
+    def bind(self, slots: np.ndarray, layers: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``; returns the
+        rows NOT bound because the slot already had that layer (a concurrent upgrade won): the
+        caller frees them."""
+        new = self.table[slots, layers] < 0
+        self.table[slots[new], layers[new]] = rows[new]
         return rows[~new]
 
     def drop_layers(self, slots: np.ndarray, from_layer: int) -> int:

@@ -121,6 +121,10 @@ class ForwardBatch:
     row_pos: torch.Tensor | None = None  # [T] position per full-layout row
     logit_rows: np.ndarray | None = None  # full-layout rows needing logits, in sequence order
     logit_indptr: list[int] = field(default_factory=list)
+    # captures merged across sequences, one write per layer: layer -> (source active rows, store rows)
+    capture_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # residual leaving layer l - 1, written at the start of layer l: l -> (source active rows, store rows)
+    capture_h: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _offsets: list[int] = field(default_factory=list)
     _row_cache: dict = field(default_factory=dict)
 
@@ -176,7 +180,29 @@ class ForwardBatch:
                 seg.join_h = self.store.h[torch.from_numpy(resume).to(dev)]
             self.segments.append(seg)
             prev_rows = rows
+        self._merge_captures(n_layers)
         return self
+
+    def segment_of(self, layer: int) -> Segment:
+        seg = self.segments[0]
+        for s in self.segments:
+            if s.start_layer <= layer:
+                seg = s
+        return seg
+
+    def _merge_captures(self, n_layers: int) -> None:
+        kv: dict[int, list] = {}
+        hh: dict[int, list] = {}
+        for i, s in enumerate(self.seqs):
+            if s.capture is None:
+                continue
+            for layer, (pos, prow) in s.capture.layers.items():
+                kv.setdefault(layer, []).append((self.segment_rows(i, pos, self.segment_of(layer)), prow))
+                if layer + 1 < n_layers:
+                    hh.setdefault(layer + 1, []).append((self.segment_rows(i, pos, self.segment_of(layer + 1)), prow))
+        for out, parts in ((self.capture_kv, kv), (self.capture_h, hh)):
+            for layer, lst in parts.items():
+                out[layer] = (torch.cat([a for a, _ in lst]), torch.cat([b for _, b in lst]))
 
     def segment_rows(self, seq: int, positions: np.ndarray, seg: Segment) -> torch.Tensor:
         """Indices into ``seg``'s active rows of sequence ``seq``'s ``positions`` (all active)."""

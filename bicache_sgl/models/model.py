@@ -190,7 +190,6 @@ class DiffusionLM(nn.Module):
         h = self.embed(fb.row_ids[rows_t])
         self.fuse()
         rope = self.rope_for(fb.row_pos[rows_t])
-        captures = [(i, s.capture) for i, s in enumerate(fb.seqs) if s.capture is not None]
         for li, layer in enumerate(self.layers):
             if next_seg is not None and next_seg.start_layer == li:
                 new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
@@ -200,21 +199,18 @@ class DiffusionLM(nn.Module):
                 next_seg = next(seg_iter, None)
                 rows_t = torch.from_numpy(seg.rows).to(fb.device)
                 rope = self.rope_for(fb.row_pos[rows_t])
-            for i, c in captures:  # residual leaving layer li - 1
-                if li - 1 in c.layers:
-                    pos, prow = c.layers[li - 1]
-                    store.h.index_copy_(0, prow, h[fb.segment_rows(i, pos, seg)].to(store.h.dtype))
+            if li in fb.capture_h:  # residual leaving layer li - 1 of captured positions
+                src, dst = fb.capture_h[li]
+                store.h.index_copy_(0, dst, h[src].to(store.h.dtype))
             q, k, v = self._qkv(layer, h, rope)
             # one write per layer for every computed row of every sequence
             wr = seg.write_rows[li - seg.start_layer]
             store.k.index_copy_(0, wr, k.to(store.k.dtype))
             store.v.index_copy_(0, wr, v.to(store.v.dtype))
-            for i, c in captures:
-                if li in c.layers:
-                    pos, prow = c.layers[li]
-                    r = fb.segment_rows(i, pos, seg)
-                    store.k.index_copy_(0, prow, k[r].to(store.k.dtype))
-                    store.v.index_copy_(0, prow, v[r].to(store.v.dtype))
+            if li in fb.capture_kv:
+                src, dst = fb.capture_kv[li]
+                store.k.index_copy_(0, dst, k[src].to(store.k.dtype))
+                store.v.index_copy_(0, dst, v[src].to(store.v.dtype))
             if li == L - 1:
                 # The last layer's outputs matter only where logits are read: every other row
                 # needed just its K/V (written above), so attention/MLP run on logit rows only.
