@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from ..attention.base import AttentionBackend
 from ..attention.torch_backend import sdpa_batched
-from .forward_batch import ForwardBatch
 from .config import ModelConfig
+from .forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
