@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..bicache.policy import make_policy, request_policy
-from ..bicache.profile import find_profile
+from ..calibration.auto import resolve_profile
 from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..kv_cache.manager import make_cache_manager
@@ -66,7 +66,9 @@ class Engine:
         mc = self.model_config
         self.context_length = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
         self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length)
-        self.profile = find_profile(self.model_path, cfg.bicache_profile, mc.n_layers)
+        # a file, or ("auto": the default without one beside the model) calibrated now on a second
+        # engine built by the factory, cached on disk (bicache_sgl/calibration/auto.py)
+        self.profile = resolve_profile(cfg, loaded, lambda **kw: Engine(config=cfg, **kw))
         self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile, audit_rate=cfg.bicache_audit_rate,
                                   audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.random_seed)
         self.audit = self.policy.audit
@@ -98,6 +100,7 @@ class Engine:
         self._seed_counter = cfg.random_seed
         self.stats = {"num_forward_passes": 0, "num_finished_reqs": 0, "generated_tokens": 0,
                       "computed_layer_tokens": 0, "skipped_layer_tokens": 0}
+        self.finish_reasons: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
@@ -260,6 +263,7 @@ class Engine:
             req.fail("aborted by the client")
             if self.scheduler.remove(req):
                 self._by_rid.pop(req.rid, None)
+                self.finish_reasons["abort"] += 1
                 self._emit(req)
             else:
                 self._retire(req)
@@ -293,6 +297,8 @@ class Engine:
         req.free_buffers(self.runner.free_kv)
         st = self.stats
         st["num_finished_reqs"] += 1
+        reason = (req.finish_reason or {}).get("type", "abort")
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         st["generated_tokens"] += len(req.out_ids)
         st["computed_layer_tokens"] += req.computed_layer_tokens
         st["skipped_layer_tokens"] += req.skipped_layer_tokens
@@ -371,6 +377,7 @@ class Engine:
             "num_waiting_reqs": len(self.scheduler.waiting) + len(self._inbox),
             **st,
             "saved_compute_fraction": st["skipped_layer_tokens"] / total if total else 0.0,
+            "finished_reqs_by_reason": dict(self.finish_reasons),
             "prefix_cache_mode": self.config.prefix_cache,
             "request_kv_budget_tokens": self.scheduler.kv_budget,
             "request_kv_used_tokens": self.scheduler.kv_in_use,
