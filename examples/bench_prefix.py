@@ -178,6 +178,10 @@ def run_mode(mode, model_path, reqs, prefixes, args, profile_path):
         "depth": sum(m["bicache_depth"] for m in metas) / len(metas),
         "r": sum(m["prefix_fraction"] for m in hits) / len(hits) if hits else 0.0,
         "forwards": st["num_forward_passes"] - base["num_forward_passes"],
+        # layers held per cached token (nodes hold the depth their requests were allowed)
+        "held": st["prefix_cache_stored_layer_tokens"] / st["prefix_cache_used_tokens"]
+        if st.get("prefix_cache_used_tokens") else 0.0,
+        "stored_mib": st.get("prefix_cache_stored_bytes", 0) / 2**20,
         "outputs": [o["output_ids"] for o in outs], "texts": [o["text"] for o in outs], "profile": profile,
     }
 
@@ -254,14 +258,16 @@ def main(argv=None):
               f"{[list(e) for e in b['profile']] if b['profile'] else None}")
     print()
     print("| mode | requests/s | output tokens/s | speedup vs off | CPU s | saved compute | cache hit rate "
-          "| mean depth | mean r (hits) | forwards | same output as off | accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| mean depth | mean r (hits) | layers held / cached token | cache MiB | forwards | same output as off "
+          "| accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         same = sum(a == b for a, b in zip(r["outputs"], ref["outputs"])) / len(reqs)
         acc = f"{r['acc']:.3f}" if "acc" in r else "n/a"
         print(f"| {r['mode']} | {len(reqs) / r['seconds']:.2f} | {r['out_tokens'] / r['seconds']:.1f} "
               f"| {ref['seconds'] / r['seconds']:.2f}x | {r['cpu_seconds']:.1f} | {r['saved']:.1%} "
-              f"| {r['hit_rate']:.2f} | {r['depth']:.2f} | {r['r']:.2f} | {r['forwards']} | {same:.0%} | {acc} |")
+              f"| {r['hit_rate']:.2f} | {r['depth']:.2f} | {r['r']:.2f} | {r['held']:.2f} | {r['stored_mib']:.2f} "
+              f"| {r['forwards']} | {same:.0%} | {acc} |")
     print(f"\n(best of {max(1, args.repeat)} round-robin runs per mode; saved compute = skipped / (skipped + "
           "computed) layer-tokens of the timed run)")
 
