@@ -161,3 +161,27 @@ def test_random_traffic_keeps_every_row_accounted_for(tiny_llada, tmp_path, seed
             st["evicted_tokens"] > 0
     finally:
         eng.shutdown()
+
+
+def test_server_reports_node_depth_upgrades_and_audit(tiny_llada, tmp_path):
+    """The counters reach /get_server_info (internal_states[0]) and /metrics through the real server."""
+    import urllib.request
+
+    from bicache_sgl.runtime import Runtime
+    prof = tmp_path / "profile.json"
+    BicacheProfile(((0, 0), (30, 1), (50, 2), (70, 4)), 4, model="tiny").save(prof)
+    with Runtime(tiny_llada, bicache_profile=str(prof), block_length=8, threshold=0, skip_server_warmup=True,
+                 bicache_audit_rate=1.0, bicache_audit_min_agreement=0.0) as rt:
+        rt.generate(PREFIX + "Alpha: q", {**SP, "max_new_tokens": 256})  # stores depth 1
+        rt.generate(PREFIX + "Beta: q", {**SP, "max_new_tokens": 8})  # reuses at 1, upgrades to 4
+        st = rt.internal_state()
+        assert st["prefix_cache_upgrades_total"] >= 1 and st["prefix_cache_trimmed_layer_tokens_total"] == 0
+        assert st["prefix_cache_stored_layer_tokens"] > st["prefix_cache_used_tokens"]  # some tokens hold > 1 layer
+        assert set(st["prefix_cache_depth_histogram"]) >= {"4"}
+        assert st["bicache_audit_samples_total"] == 1  # the one reusing request was audited
+        with urllib.request.urlopen(rt.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        for name in ("prefix_cache_stored_layer_tokens", "prefix_cache_upgrades_total",
+                     "prefix_cache_trimmed_layer_tokens_total", "prefix_cache_depth_histogram_4",
+                     "bicache_audit_samples_total"):
+            assert f"bicache_sgl:{name}" in text, name
