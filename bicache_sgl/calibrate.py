@@ -1,23 +1,370 @@
-"""``python -m bicache_sgl.calibrate``: kept as the entry point; the code lives in
-``bicache_sgl.calibration`` (data, measure, cli, plot). The names scripts import from here
-(``Sample``, ``kv_cosine_profile``, ...) are re-exported."""
+"""``python -m bicache_sgl.calibrate``: arguments, the measurement loop, the JSON and the summary.
 
+This module sits above the engine (the ``agreement`` criterion builds an ``Engine`` and hands it to
+``bicache_sgl.calibration.AgreementMeter``); the measurement code in ``bicache_sgl.calibration``
+sits below it, so the engine can run a first-run calibration itself (``bicache_profile="auto"``,
+``bicache_sgl.calibration.auto``). The names scripts import from here (``Sample``,
+``kv_cosine_profile``, ...) are re-exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
 
-from .calibration import (
+from .bicache.profile import BicacheProfile
+from .calibration.data import (
+    CACHED_CONTEXTS,
+    DEFAULT_CACHED_CONTEXT,
+    DEFAULT_FRACTIONS,
     DataError,
     Sample,
+    first_request_rest,
+    gen_candidates,
+    plan_task,
+    plan_tasks,
+    read_data,
+    tokenize,
+)
+from .calibration.measure import (
+    DEPTH_RULES,
+    AgreementMeter,
+    SimilarityMeter,
     depth_from_agreement,
     depth_from_similarity,
-    gen_candidates,
     kv_cosine_profile,
-    plan_task,
+    mean_rows,
+    safe_table,
     token_agreement,
 )
-from .calibration.cli import build_parser, calibrate, main
+
+log = logging.getLogger("bicache_sgl.calibrate")
 
 __all__ = ["DataError", "Sample", "build_parser", "calibrate", "depth_from_agreement", "depth_from_similarity",
-           "gen_candidates", "kv_cosine_profile", "main", "plan_task", "token_agreement"]
+           "format_summary", "gen_candidates", "kv_cosine_profile", "main", "plan_task", "token_agreement"]
+
+CRITERIA = ("kv-cosine", "agreement")
+CACHED_STATE = {
+    "prefix_only": "prefix-only forward (as an explicit cache_prefix request fills the prefix cache)",
+    "first_request": "the prefix inside another request's own forward (the prefix + a different question of the "
+                     "data set + its MASK generation region), as the first request that computes a prefix "
+                     "fills the prefix cache",
+}
+
+
+def _parse_fractions(s: str) -> list[float]:
+    try:
+        vals = sorted({float(x) for x in s.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fractions must be comma-separated percentages, got {s!r}") from None
+    if not vals or any(not 0 < v < 100 for v in vals):
+        raise argparse.ArgumentTypeError("--fractions: every value must be a percentage in (0, 100)")
+    return vals
+
+
+def _unit(name: str):
+    def f(s: str) -> float:
+        v = float(s)
+        if not 0 <= v <= 1:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, 1], got {s}")
+        return v
+    return f
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
+    return v
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one and the help text does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if "default" in h or action.default in (None, False, argparse.SUPPRESS):
+            return h
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bicache_sgl.calibrate",
+        description="Measure how far a cached shared prefix can be reused for a diffusion LM and write "
+                    "its bicache profile (prefix fraction r -> safe depth b) as JSON plus a PNG plot.",
+        epilog="Put the result beside the model as bicache_profile.json, or pass it to the server / Engine "
+               "with --bicache-profile. Details: docs/calibration.md.",
+        formatter_class=_HelpFormatter)
+    ap.add_argument("--model-path", default=None,
+                    help="checkpoint folder or Hugging Face id (default: the bundled model)")
+    ap.add_argument("--data", required=True,
+                    help='jsonl, one object per line: {"prompt": ...} / {"text": ...} or '
+                         '{"prefix": ..., "suffix": ...}')
+    ap.add_argument("--out", required=True, help="profile JSON to write")
+    ap.add_argument("--plot", default=None,
+                    help="PNG to write (default: the --out path with .png; 'none' for no plot)")
+    ap.add_argument("--criterion", choices=CRITERIA, default="kv-cosine",
+                    help="kv-cosine: leading layers whose K/V similarity >= --threshold; agreement: largest depth "
+                         "up to which every depth's greedy output agrees with cache-off on >= --agreement of the "
+                         "tokens")
+    ap.add_argument("--cached-context", choices=CACHED_CONTEXTS, default=DEFAULT_CACHED_CONTEXT,
+                    help="where the cached prefix state comes from: first_request = the prefix computed inside "
+                         "another request's own context (the prefix + a different question of the data set + its "
+                         "MASK region; what the runtime stores from the request that first computed a prefix; needs "
+                         "at least two samples); prefix_only = the prefix alone (what an explicit cache_prefix "
+                         "request stores)")
+    ap.add_argument("--threshold", type=_unit("--threshold"), default=0.97,
+                    help="K/V cosine threshold (kv-cosine criterion)")
+    ap.add_argument("--depth-rule", choices=DEPTH_RULES, default="resume",
+                    help="kv-cosine: 'leading' = count of leading layers above threshold (the paper); 'resume' = "
+                         "also require layer b itself, whose K/V of the prefix come from the cached residual stream")
+    ap.add_argument("--agreement", type=_unit("--agreement"), default=0.9,
+                    help="minimum token agreement with cache-off (agreement criterion)")
+    ap.add_argument("--fractions", type=_parse_fractions, default=",".join(map(str, DEFAULT_FRACTIONS)),
+                    help="prefix-fraction buckets in percent, comma-separated")
+    ap.add_argument("--gen-length", type=_positive_int, default=32, help="generation positions (max_new_tokens)")
+    ap.add_argument("--block-length", type=_positive_int, default=32,
+                    help="decoding block; the generation region is whole blocks")
+    ap.add_argument("--max-samples", type=_positive_int, default=None, help="use at most this many samples")
+    ap.add_argument("--decode-threshold", type=_unit("--decode-threshold"), default=0.9,
+                    help="agreement: confidence-threshold decoding (0: fixed one-token-per-step schedule)")
+    ap.add_argument("--cache-mode", choices=("none", "prefix", "dual"), default="dual",
+                    help="agreement: in-request cache of the decoding runs")
+    ap.add_argument("--steps-per-block", type=_positive_int, default=None,
+                    help="agreement: denoising steps per block (default: one per token)")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
+    ap.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def _model_name(model_arg: str | None, resolved: str) -> str:
+    if model_arg and not Path(model_arg).expanduser().exists() and model_arg.count("/") == 1:
+        return model_arg  # hub id
+    return Path(resolved).resolve().name
+
+
+def _contexts(args: argparse.Namespace, samples, tasks) -> tuple[list, list]:
+    """Keep the tasks that the cached context can be built for; returns (tasks, contexts)."""
+    if args.cached_context == "prefix_only":
+        return tasks, [None] * len(tasks)
+    kept, ctxs = [], []
+    for t in tasks:
+        c = first_request_rest(samples, t)
+        if c is not None:
+            kept.append(t)
+            ctxs.append(c)
+    if not kept:
+        raise DataError(f"{args.data}: --cached-context first_request needs, for each measurement, another sample "
+                        "with a different question at least as long as the measured request's (one sample, or "
+                        "all alike, is not enough); add samples or use --cached-context prefix_only")
+    if len(kept) < len(tasks):
+        log.warning("first_request: %d of %d measurements skipped (no other sample with a long enough, different "
+                    "question)", len(tasks) - len(kept), len(tasks))
+    return kept, ctxs
+
+
+def calibrate(args: argparse.Namespace) -> dict:
+    """Run the measurement; returns the profile dict (``BicacheProfile.to_dict`` shape + extras)."""
+    import torch
+    from tqdm import tqdm
+
+    from .models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    records = read_data(args.data)
+    model_path = resolve_model_path(args.model_path)
+    tokenizer = load_tokenizer(model_path)
+    samples = tokenize(records, tokenizer.encode, args.max_samples)
+    if not samples:
+        raise DataError(f"{args.data}: no usable samples")
+
+    mcfg = load_model_config(model_path)
+    L = mcfg.n_layers
+    fractions = list(args.fractions)
+    tasks = plan_tasks(samples, fractions, gen_candidates(args.gen_length, args.block_length),
+                       mcfg.max_position_embeddings)
+    if not tasks:
+        raise DataError(f"{args.data}: no sample reaches any prefix fraction in {fractions} with "
+                        f"--gen-length {args.gen_length} (prompts too short, or pairs whose suffix is too short "
+                        "or too long for the buckets)")
+    tasks, contexts = _contexts(args, samples, tasks)
+
+    engine = None
+    if args.criterion == "agreement":
+        from .engine.engine import Engine
+        # the pool only ever holds one S (flushed between measurements) plus one request's tail
+        cap = max(t.prompt_len for t in tasks) + 1
+        engine = Engine(model_path, prefix_cache="naive", device=args.device, dtype=args.dtype,
+                        max_running_requests=L + 1, max_prefix_cache_tokens=cap, bicache_profile="none",
+                        block_length=args.block_length, threshold=args.decode_threshold or None,
+                        cache_mode=args.cache_mode, steps_per_block=args.steps_per_block)
+        model, device = engine.model, engine.device
+    else:
+        dev = args.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        model, _ = load_model(model_path, args.dtype, dev)
+        device = torch.device(dev)
+    sim_meter = SimilarityMeter(model, mcfg.mask_token_id, device)
+    agr_meter = AgreementMeter(engine, args.gen_length) if engine is not None else None
+    sampling = {"block_length": args.block_length, "cache_mode": args.cache_mode,
+                "threshold": args.decode_threshold}
+    if args.steps_per_block:
+        sampling["steps_per_block"] = args.steps_per_block
+
+    nb = len(fractions)
+    per_k: list[list[list[float]]] = [[] for _ in range(nb)]
+    per_v: list[list[list[float]]] = [[] for _ in range(nb)]
+    per_h: list[list[list[float]]] = [[] for _ in range(nb)]
+    per_a: list[list[list[float]]] = [[] for _ in range(nb)]
+    per_r: list[list[float]] = [[] for _ in range(nb)]
+    t0 = time.time()
+    bar = tqdm(list(zip(tasks, contexts)), desc=f"calibrate ({args.criterion})", unit="task",
+               disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    try:
+        for t, ctx in bar:
+            bar.set_postfix_str(f"sample {t.sample + 1}/{len(samples)} r={fractions[t.bucket]:g}%", refresh=False)
+            s = samples[t.sample]
+            sk, sv, sh = sim_meter.measure(s, t, ctx)
+            per_k[t.bucket].append(sk)
+            per_v[t.bucket].append(sv)
+            per_h[t.bucket].append(sh)
+            per_r[t.bucket].append(t.r)
+            if agr_meter is not None:
+                agr, _ = agr_meter.measure(s, t, sampling, ctx)
+                per_a[t.bucket].append(agr)
+    finally:
+        bar.close()
+        if engine is not None:
+            engine.shutdown()
+
+    sim_k = [mean_rows(x) for x in per_k]
+    sim_v = [mean_rows(x) for x in per_v]
+    sim_h = [mean_rows(x) for x in per_h]
+    sim = [None if k is None else [(a + b) / 2 for a, b in zip(k, v)] for k, v in zip(sim_k, sim_v)]
+    agree = [mean_rows(x) for x in per_a] if engine is not None else None
+    raw: list[int | None] = []
+    for bi in range(nb):
+        if sim[bi] is None:
+            raw.append(None)
+        elif args.criterion == "kv-cosine":
+            raw.append(depth_from_similarity(sim[bi], args.threshold, args.depth_rule))
+        else:
+            raw.append(depth_from_agreement(agree[bi], args.agreement))
+    thr = args.threshold if args.criterion == "kv-cosine" else args.agreement
+    prof = BicacheProfile(table=tuple(safe_table(fractions, raw)), n_layers=L,
+                          model=_model_name(args.model_path, model_path), criterion=args.criterion, threshold=thr)
+    counts = [len(x) for x in per_k]
+    missing = [f"{fractions[i]:g}" for i in range(nb) if counts[i] == 0]
+    if missing:
+        log.warning("no sample reached prefix fraction(s) %s%%; the table has no entry there (lookup falls back "
+                    "to the next lower fraction)", ", ".join(missing))
+
+    def rnd(row):
+        return None if row is None else [round(float(x), 6) for x in row]
+
+    return {
+        **prof.to_dict(),
+        "kv_threshold": args.threshold,
+        "min_agreement": args.agreement if args.criterion == "agreement" else None,
+        "depth_rule": args.depth_rule if args.criterion == "kv-cosine" else None,
+        "fractions": fractions,
+        "samples_per_fraction": counts,
+        "mean_prefix_fraction": [round(sum(x) / len(x), 6) if x else None for x in per_r],
+        "depth_raw": raw,
+        "similarity": [rnd(r) for r in sim],
+        "similarity_k": [rnd(r) for r in sim_k],
+        "similarity_v": [rnd(r) for r in sim_v],
+        "similarity_h": [rnd(r) for r in sim_h],
+        "agreement": None if agree is None else [rnd(r) for r in agree],
+        "cached_context": args.cached_context,
+        "cached_state": CACHED_STATE[args.cached_context],
+        "data": str(args.data),
+        "num_samples": len(samples),
+        "gen_length": args.gen_length,
+        "block_length": args.block_length,
+        "decode": ({"cache_mode": args.cache_mode, "threshold": args.decode_threshold,
+                    "steps_per_block": args.steps_per_block, "temperature": 0.0}
+                   if args.criterion == "agreement" else None),
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
+def format_summary(result: dict) -> str:
+    L = result["n_layers"]
+    table = {float(r): b for r, b in result["table"]}
+    agr = result.get("agreement")
+    head = "| r (%) | samples | mean r | b(r) | raw | similarity at layer b-1 | at layer b |"
+    sep = "|---|---|---|---|---|---|---|"
+    if agr is not None:
+        head += " agreement at b | at L (naive) |"
+        sep += "---|---|"
+    lines = [head, sep]
+    for i, r in enumerate(result["fractions"]):
+        n = result["samples_per_fraction"][i]
+        if n == 0:
+            lines.append(f"| {r:g} | 0 | - | - | - | - | - |" + (" - | - |" if agr is not None else ""))
+            continue
+        b = table.get(float(r), 0)
+        sim = result["similarity"][i]
+        before = f"{sim[b - 1]:.4f}" if b >= 1 else "-"
+        at = f"{sim[b]:.4f}" if b < L else "-"
+        row = f"| {r:g} | {n} | {result['mean_prefix_fraction'][i]:.3f} | {b} | {result['depth_raw'][i]} | " \
+              f"{before} | {at} |"
+        if agr is not None:
+            row += f" {agr[i][b]:.3f} | {agr[i][L]:.3f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _plot_path(args: argparse.Namespace) -> str | None:
+    """The PNG to write, or None; raises SystemExit if --plot was asked for without matplotlib."""
+    plot_path: str | None = args.plot
+    if plot_path is not None and plot_path.lower() == "none":
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if plot_path is not None:
+            raise SystemExit("error: --plot needs matplotlib (pip install 'bicache-sgl[plot]')") from None
+        log.warning("matplotlib is not installed (pip install 'bicache-sgl[plot]'); no plot written")
+        return None
+    return plot_path if plot_path is not None else str(Path(args.out).with_suffix(".png"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    plot_path = _plot_path(args)
+    try:
+        result = calibrate(args)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    BicacheProfile.load(args.out)  # what the runtime will read must load
+    if plot_path:
+        from .calibration.plot import plot_profile
+        plot_profile(plot_path, result)
+    print(f"\nbicache profile for {result['model']} ({result['n_layers']} layers), criterion {result['criterion']}"
+          f" (threshold {result['threshold']:g}), cached context {result['cached_context']}, "
+          f"{result['num_samples']} samples, {result['seconds']:.1f} s\n")
+    print(format_summary(result))
+    print(f"\ntable (r % -> b): {result['table']}")
+    print(f"wrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -224,7 +224,11 @@ class EngineConfig:
     # budget of private K/V positions over all running requests (None: derived from memory)
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
+    # None: bicache_profile.json beside the model, else "auto"; "auto": calibrate at start-up (cached
+    # on disk, bicache_sgl/calibration/auto.py); "none": no profile (depth 0); else a profile file
     bicache_profile: str | None = None
+    calibration_budget_s: float = 40.0  # "auto": wall-clock budget of the start-up calibration
+    calibration_data: str | None = None  # "auto": jsonl prompts (calibrate CLI format); None: synthesised
     bicache_audit_rate: float = 0.02  # fraction of reusing requests whose first forward is re-run without reuse
     bicache_audit_min_agreement: float = 0.9  # top-1 agreement below which the audit lowers a bucket
     decode: DecodeDefaults = field(default_factory=DecodeDefaults)
@@ -240,6 +244,7 @@ class EngineConfig:
         parse_prefix_cache_mode(self.prefix_cache)
         _check(self.max_prefix_cache_tokens is None or self.max_prefix_cache_tokens >= 0,
                "max_prefix_cache_tokens must be >= 0")
+        _check(self.calibration_budget_s >= 0, f"calibration_budget_s must be >= 0, got {self.calibration_budget_s}")
         _check(0 <= self.bicache_audit_rate <= 1, f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate}")
         _check(0 <= self.bicache_audit_min_agreement <= 1,
                f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement}")

@@ -8,8 +8,8 @@ JSON shape::
 Lookup takes the entry with the largest r at or below the request's r (0 below the first entry).
 The table is non-decreasing in b (a larger shared fraction never gets a smaller depth), and
 calibration builds it on the safe side (``BicacheProfile.monotone``): the depth at r never
-exceeds a depth measured at any r' >= r. Calibration lives in ``bicache_sgl.calibration``; this
-module imports nothing above it.
+exceeds a depth measured at any r' >= r. Calibration lives in ``bicache_sgl.calibration`` (and the
+first-run ``"auto"`` profile in ``bicache_sgl.calibration.auto``); this module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PROFILE_FILENAME = "bicache_profile.json"
+# Special values of --bicache-profile / EngineConfig.bicache_profile (anything else is a file):
+PROFILE_AUTO = "auto"  # calibrate at start-up (cached on disk): bicache_sgl.calibration.auto
+PROFILE_NONE = "none"  # no profile: depth 0, prefixes are matched but never reused
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,13 @@ class BicacheProfile:
 
 
 def find_profile(model_path: str, explicit: str | None, n_layers: int) -> BicacheProfile | None:
-    """--bicache-profile if given, else bicache_profile.json beside the model, else None."""
+    """--bicache-profile FILE if given, else bicache_profile.json beside the model, else None;
+    ``"none"`` gives None. ``"auto"`` calibrates, which this module cannot do: the engine resolves
+    it with ``bicache_sgl.calibration.auto.resolve_profile``."""
+    if explicit == PROFILE_NONE:
+        return None
+    if explicit == PROFILE_AUTO:
+        raise ValueError("bicache profile 'auto' is resolved by bicache_sgl.calibration.auto.resolve_profile")
     path = Path(explicit) if explicit else Path(model_path) / PROFILE_FILENAME
     if not path.exists():
         if explicit:

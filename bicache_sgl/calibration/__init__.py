@@ -17,12 +17,15 @@ decoding through the real Engine at every depth 0..L against cache-off). Both er
 passes only when every smaller depth passes, and the table at r never exceeds a bucket measured at
 or above r. See docs/calibration.md.
 
-Layering: this package sits above the engine (the agreement meter drives one); ``bicache_sgl.bicache``
-(profile, policy) sits below and never imports it.
+Layering: this package sits BELOW the engine (the engine calls ``auto.resolve_profile`` at
+start-up) and never imports ``bicache_sgl.engine``: the agreement meter drives an engine object
+that its caller passes in (duck-typed). The command line, which builds an ``Engine`` for the
+agreement criterion, is ``bicache_sgl/calibrate.py``, above the engine. ``bicache_sgl.bicache``
+(profile, policy) sits below this package and never imports it.
 
 Modules: ``data`` (jsonl records, tokens, planning of (sample, bucket) tasks and of the first
-request's context), ``measure`` (the meters and the depth rules), ``cli`` (arguments, the run, the
-JSON and the summary), ``plot`` (the PNG).
+request's context), ``synth`` (prompts synthesised from a tokenizer), ``measure`` (the meters and
+the depth rules), ``auto`` (the first-run profile: budget, cache, log), ``plot`` (the PNG).
 """
 
 from .data import (

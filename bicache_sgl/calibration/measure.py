@@ -94,9 +94,15 @@ def token_agreement(a: Sequence[int], b: Sequence[int]) -> float:
 
 
 class AgreementMeter:
-    """End-to-end: the same request at every depth 0..L through a ``naive`` Engine (its prefix
+    """End-to-end: the same request at every depth 0..L through a ``naive`` engine (its prefix
     cache holds all L layers) whose cache holds S from a prefix-only request or from the first
-    request of ``context``."""
+    request of ``context``.
+
+    The engine is passed in by the caller and only duck-typed (this package sits below
+    ``bicache_sgl.engine`` and never imports it): it needs ``model_config.n_layers``,
+    ``scheduler.prefix_aware``, ``flush_cache()`` and ``submit_many(greqs, callbacks)`` whose
+    callbacks get events with ``finished``, ``error``, ``output_ids`` and ``meta_info``
+    (``bicache_sgl.engine.Engine`` is one)."""
 
     def __init__(self, engine, gen_length: int) -> None:
         self.engine = engine
@@ -125,8 +131,10 @@ class AgreementMeter:
                 raise RuntimeError(f"calibration request failed: {ev.error}")
         return results
 
-    def measure(self, sample: Sample, task: Task, sampling: dict,
-                context: Sequence[int] | None = None) -> tuple[list[float], list[list[int]]]:
+    def measure(self, sample: Sample, task: Task, sampling: dict, context: Sequence[int] | None = None,
+                max_depth: int | None = None) -> tuple[list[float], list[list[int]]]:
+        """Agreement with depth 0 of the request at each depth 0..``max_depth`` (default L), and
+        the outputs."""
         from ..config import SamplingParams
         from ..io_struct import GenerateRequest
         eng = self.engine
@@ -145,7 +153,8 @@ class AgreementMeter:
             # the two questions share.
             self._run([GenerateRequest(s_ids + list(context), params)])
             expect = task.s_len + min(common_prefix_len(context, prompt[task.s_len:]), len(prompt) - task.s_len - 1)
-        evs = self._run([GenerateRequest(prompt, params, bicache_depth=d) for d in range(self.L + 1)])
+        top = self.L if max_depth is None else max(0, min(int(max_depth), self.L))
+        evs = self._run([GenerateRequest(prompt, params, bicache_depth=d) for d in range(top + 1)])
         for d, ev in enumerate(evs):
             m = ev.meta_info
             if m.get("bicache_depth") != d or (d > 0 and m.get("reused_prefix_tokens") != expect):

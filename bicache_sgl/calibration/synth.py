@@ -1,0 +1,134 @@
+"""Calibration prompts synthesised from a tokenizer, for a first-run profile without a data file.
+
+No model hub and no network: the words come from a small built-in list plus, where the tokenizer
+has them, whole-word tokens of its own vocabulary (a BPE vocabulary's space-prefixed alphabetic
+tokens). Two shapes, each a group of its own (the auto-calibration takes the minimum depth over
+groups, so either shape alone can lower a bucket):
+
+- ``text``: a document (sentences of random words) followed by a question whose last token is a
+  number (so the shared prefix, which always leaves the prompt's last token, never holds it);
+- ``fewshot``: a fixed instruction, a few ``Question: ...\\nAnswer: ...`` examples and a final
+  ``Question: ... N?\\nAnswer:``, the shape of SGLang's few-shot scripts.
+
+Every prompt's question differs from its neighbours' in its last tokens (a different number, other
+words), so the ``first_request`` cached context always has a different question to put after the
+shared prefix. Deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+# A small list of common English words (written for this module).
+_BUILTIN_TEXT = """
+the of and to in is was for on that with as by at from this have not are but had his they which
+one you were her all she there would their will when who more other time could about into than
+them some these two may then first any like now over only new also after use way many must
+through back years where much your well down should because each just those people how too
+little state good very make world still own see men work long get here between both life being
+under never day same another know while last might great old year off come since against go came
+right used take three small large number part place point water house city name story table road
+river garden window letter morning evening question answer example market school family friend
+company paper light music color field power system order report change value reason result
+"""
+BUILTIN_WORDS = tuple(_BUILTIN_TEXT.split())
+
+_VOCAB_WORD = re.compile(r"^[a-z]{4,12}$")
+_DIGITS = "0123456789"
+
+
+def _encodable(tokenizer, words) -> list[str]:
+    """Words whose encoding holds no unknown token."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    out = []
+    for w in words:
+        ids = tokenizer.encode(" " + w, add_special_tokens=False) if _takes_flag(tokenizer) else \
+            tokenizer.encode(" " + w)
+        if ids and (unk is None or unk not in ids):
+            out.append(w)
+    return out
+
+
+def _takes_flag(tokenizer) -> bool:
+    try:
+        tokenizer.encode("a", add_special_tokens=False)
+        return True
+    except TypeError:
+        return False
+
+
+def word_pool(tokenizer, max_vocab_words: int = 400, seed: int = 0) -> list[str]:
+    """The built-in words plus up to ``max_vocab_words`` whole-word tokens of the vocabulary
+    (tokens spelled with a word-start marker, ``Ġ`` or ``▁``, then 4-12 lower-case letters)."""
+    words = list(BUILTIN_WORDS)
+    try:
+        pieces = list(tokenizer.get_vocab())
+    except Exception:  # a tokenizer without a vocabulary listing: the built-in words only
+        pieces = []
+    found = sorted({p[1:] for p in pieces if p[:1] in ("\u0120", "\u2581") and _VOCAB_WORD.match(p[1:])})
+    rng = random.Random(seed)
+    rng.shuffle(found)
+    words += [w for w in found[:max_vocab_words] if w not in BUILTIN_WORDS]
+    return _encodable(tokenizer, words) or list(BUILTIN_WORDS)
+
+
+class _Writer:
+    def __init__(self, tokenizer, words: list[str], rng: random.Random) -> None:
+        self.tok, self.words, self.rng = tokenizer, words, rng
+        self.flag = _takes_flag(tokenizer)
+
+    def n_tokens(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False) if self.flag else self.tok.encode(text))
+
+    def phrase(self, lo: int, hi: int) -> str:
+        return " ".join(self.rng.choice(self.words) for _ in range(self.rng.randint(lo, hi)))
+
+    def sentence(self) -> str:
+        s = self.phrase(5, 13)
+        return s[:1].upper() + s[1:] + self.rng.choice(".....!?")
+
+
+def _text_prompt(w: _Writer, target: int, digit: str) -> str:
+    question = f"\n\nQuestion: {w.phrase(3, 7)}? Hint: {digit}"
+    budget = target - w.n_tokens(question)
+    doc: list[str] = []
+    para: list[str] = []
+    while w.n_tokens(" ".join(para)) + sum(w.n_tokens(p) + 2 for p in doc) < budget:
+        para.append(w.sentence())
+        if len(para) >= w.rng.randint(3, 6):
+            doc.append(" ".join(para))
+            para = []
+    if para:
+        doc.append(" ".join(para))
+    return "\n\n".join(doc) + question
+
+
+def _fewshot_prompt(w: _Writer, target: int, digit: str, header: str) -> str:
+    final = f"Question: {w.phrase(3, 7)} {digit}?\nAnswer:"
+    shots: list[str] = []
+    while w.n_tokens(header + "".join(shots) + final) < target:
+        ans = w.rng.choice([w.rng.choice(_DIGITS), w.phrase(1, 3)])
+        shots.append(f"Question: {w.phrase(3, 8)}?\nAnswer: {ans}\n\n")
+    return header + "".join(shots) + final
+
+
+def synthesize(tokenizer, num_prompts: int = 16, *, min_tokens: int = 128, max_tokens: int = 320,
+               seed: int = 0) -> list[tuple[str, str]]:
+    """``num_prompts`` (group, prompt text) pairs, alternating the ``text`` and ``fewshot`` shapes,
+    each about ``min_tokens``..``max_tokens`` tokens long. Consecutive prompts end with different
+    numbers (0-9), so any two neighbours' questions differ."""
+    rng = random.Random(seed)
+    w = _Writer(tokenizer, word_pool(tokenizer, seed=seed), rng)
+    digits = list(_DIGITS)
+    rng.shuffle(digits)
+    header = "Answer each question in a few words.\n\n"
+    out = []
+    for i in range(num_prompts):
+        target = rng.randint(min_tokens, max(min_tokens, max_tokens))
+        digit = digits[i % len(digits)]
+        if i % 2 == 0:
+            out.append(("text", _text_prompt(w, target, digit)))
+        else:
+            out.append(("fewshot", _fewshot_prompt(w, target, digit, header)))
+    return out
