@@ -1,8 +1,12 @@
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# First-run bicache profiles are cached on disk: keep the suite's own cache (inherited by the
+# servers it starts) out of the user's ~/.cache and shared by every test of the session.
+os.environ.setdefault("BICACHE_SGL_CACHE", tempfile.mkdtemp(prefix="bicache-sgl-test-cache-"))
 
 
 @pytest.fixture(scope="session")

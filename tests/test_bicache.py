@@ -197,9 +197,9 @@ def test_profile_lookup_and_validation(tmp_path):
         BicacheProfile.load(tmp_path / "bad.json")
 
 
-def test_no_profile_means_depth_zero_with_a_warning(tiny_llada, caplog):
+def test_profile_none_means_depth_zero_with_a_warning(tiny_llada, caplog):
     with caplog.at_level("WARNING"):
-        eng = make_engine(tiny_llada, "bicache")
+        eng = make_engine(tiny_llada, "bicache", bicache_profile="none")
     assert "no bicache profile" in caplog.text
     out = run_seq(eng, [PREFIX + "Alpha: q"])[0]["meta_info"]
     assert out["cached_tokens"] > 0 and out["bicache_depth"] == 0

@@ -52,7 +52,8 @@ class ServerArgs:
     incremental_streaming_output: bool = False
     skip_server_warmup: bool = False
     enable_metrics: bool = True  # /metrics is always served; the flag is accepted for SGLang parity
-    num_threads: int | None = None
+    num_threads: int | None = None  # the engine's torch threads (None: every CPU but one, see launch_server)
+    engine_in_process: bool = False  # debugging: the engine as a thread of the server process
     # request limits and shutdown
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_batch_size: int = 1024
@@ -61,6 +62,8 @@ class ServerArgs:
     # prefix cache (bicache)
     prefix_cache: str = "bicache"
     bicache_profile: str | None = None
+    calibration_budget_s: float = 40.0
+    calibration_data: str | None = None
     max_prefix_cache_tokens: int | None = None
     max_total_tokens: int | None = None  # budget of the running requests' private K/V positions
     bicache_audit_rate: float = 0.02
@@ -116,6 +119,8 @@ class ServerArgs:
             "bicache_audit_min_agreement": self.bicache_audit_min_agreement,
             "mem_fraction_static": self.mem_fraction_static,
             "bicache_profile": self.bicache_profile,
+            "calibration_budget_s": self.calibration_budget_s,
+            "calibration_data": self.calibration_data,
             "decode": decode,
             "chat_template": _resolved_template(self.chat_template),
             "num_threads": self.num_threads,
@@ -203,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Chat template for /v1/chat/completions: a Jinja file, a Jinja string, or a built-in name "
                         "(chatml, llama-3, default). Default: the tokenizer's template, else a plain one.")
     g.add_argument("--random-seed", type=int, default=None)
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads of the engine (default: every CPU but one, at most torch's own default; "
+                        "OMP_NUM_THREADS, when set, is followed instead). The HTTP server process uses 1.")
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
@@ -214,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--incremental-streaming-output", action="store_true",
                    help="Stream deltas instead of SGLang's default cumulative text/output_ids.")
     g.add_argument("--skip-server-warmup", action="store_true")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="Run the engine as a thread of the HTTP server process instead of in its own process "
+                        "(for debugging: slower, the two share one GIL and one set of cores).")
     g.add_argument("--enable-metrics", action="store_true", help="Accepted for SGLang parity; /metrics is always on.")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="Largest request body accepted; larger ones get 413 (default 32 MiB).")
@@ -233,7 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-radix-cache", action="store_true", help="Same as --prefix-cache off.")
     g.add_argument("--prefix-cache", type=_prefix_cache, default="bicache",
                    help="Shared-prefix KV cache: off | naive | bicache | fixed:N (N leading layers).")
-    g.add_argument("--bicache-profile", default=None, help="JSON file with the r -> depth profile for bicache.")
+    g.add_argument("--bicache-profile", default=None,
+                   help="The r -> depth profile for bicache: a JSON file, 'auto' (calibrate at start-up within "
+                        "--calibration-budget-s and cache the result on disk, keyed by the checkpoint), or 'none' "
+                        "(no reuse). Default: bicache_profile.json beside the model, else auto.")
+    g.add_argument("--calibration-budget-s", type=float, default=40.0,
+                   help="Wall-clock budget of the start-up calibration ('auto' profile); buckets not measured in "
+                        "time get depth 0.")
+    g.add_argument("--calibration-data", default=None,
+                   help="Prompts for the start-up calibration (the calibrate CLI's jsonl/txt formats); default: "
+                        "prompts synthesised from the tokenizer.")
     g.add_argument("--max-prefix-cache-tokens", type=int, default=None,
                    help="Token budget of the shared prefix pool (LRU eviction beyond it).")
     g.add_argument("--max-total-tokens", type=int, default=None,
@@ -354,12 +373,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         incremental_streaming_output=ns.incremental_streaming_output,
         skip_server_warmup=ns.skip_server_warmup,
         num_threads=ns.num_threads,
+        engine_in_process=ns.engine_in_process,
         max_request_bytes=ns.max_request_bytes,
         max_batch_size=ns.max_batch_size,
         max_n=ns.max_n,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         prefix_cache=ns.prefix_cache,
         bicache_profile=ns.bicache_profile,
+        calibration_budget_s=ns.calibration_budget_s,
+        calibration_data=ns.calibration_data,
         max_prefix_cache_tokens=ns.max_prefix_cache_tokens,
         max_total_tokens=ns.max_total_tokens,
         bicache_audit_rate=ns.bicache_audit_rate,
