@@ -7,9 +7,12 @@ that names the offending field, so the server can turn it into a 400 as-is.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar
 
 REMASKING = ("low_confidence", "random")
 CACHE_MODES = ("none", "prefix", "dual")
@@ -31,6 +34,51 @@ def parse_prefix_cache_mode(mode: str) -> tuple[str, int | None]:
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _parse_logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """``{"50256": -100, "7": 2.5}`` (OpenAI's shape: token-id strings or ints -> bias) -> sorted
+    ((id, bias), ...). The ids are checked against the vocabulary when the request is built."""
+    if isinstance(v, (list, tuple)):  # already normalized (a SamplingParams round trip)
+        items = [tuple(e) if isinstance(e, (list, tuple)) else e for e in v]
+        if not all(isinstance(e, tuple) and len(e) == 2 for e in items):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+    elif isinstance(v, Mapping):
+        items = list(v.items())
+    else:
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        tid = key
+        if isinstance(key, str):
+            try:
+                tid = int(key.strip())
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+        if not _is_int(tid) or tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tid}")
+        out[tid] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _schema_text(v: Any) -> str:
+    """``json_schema`` as JSON text: a string is kept as it is (parsed when the constraint is
+    compiled); an object or a boolean is serialized with its key order (property order matters)."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (Mapping, bool)):
+        return json.dumps(v, ensure_ascii=False)
+    raise ValueError(f"json_schema must be a JSON schema (a string or an object), got {type(v).__name__}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +109,15 @@ class SamplingParams:
     cfg_scale: float = 0.0
     cache_mode: str | None = None  # in-request cache: none | prefix | dual
     refresh_interval: int | None = None  # steps between in-request cache refreshes (0 = block start only)
+    # logit processing over the masked positions' distributions (definitions: docs/server.md)
+    frequency_penalty: float = 0.0  # minus penalty x count of the token among unmasked output tokens
+    presence_penalty: float = 0.0  # minus penalty if the token is among unmasked output tokens
+    repetition_penalty: float = 1.0  # HF/CTRL: over the prompt and the unmasked output tokens
+    min_p: float = 0.0  # drop tokens with p < min_p * max p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), from {"id": bias}
+    # structured generation (at most one; docs/structured.md)
+    regex: str | None = None
+    json_schema: str | None = None  # JSON text (an object is serialized, key order kept)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool),
@@ -98,25 +155,43 @@ class SamplingParams:
         if self.refresh_interval is not None:
             _check(isinstance(self.refresh_interval, int) and self.refresh_interval >= 0,
                    f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
+        for k in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, k)
+            _check(_is_num(v) and -2 <= v <= 2, f"{k} must be in [-2, 2], got {v!r}")
+        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(isinstance(self.logit_bias, tuple) and all(
+            isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_num(e[1])
+            and -100 <= e[1] <= 100 for e in self.logit_bias),
+            "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
+        _check(self.regex is None or isinstance(self.regex, str), "regex must be a string")
+        _check(self.json_schema is None or isinstance(self.json_schema, str),
+               "json_schema must be a JSON string or object")
+        _check(self.regex is None or self.json_schema is None, "only one of regex and json_schema can be set")
 
-    _ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "gen_length": "max_new_tokens",
-                "sampling_seed": "seed"}
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec) of the output constraint, or None (docs/structured.md)."""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        return None
+
+    _ALIASES: ClassVar[dict[str, str]] = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+                                          "gen_length": "max_new_tokens", "sampling_seed": "seed"}
     # Keys of SGLang's sampling-params schema this engine does not implement: key -> (values that
     # ask for nothing, what the key would need). SGLang's frontend sends most of them on every
     # call with their no-op defaults, so those are accepted; any other value is refused, because
     # silently ignoring it would hand back e.g. unconstrained text to a program that asked for a
     # regex. Numbers compare by value (0 == 0.0) but never against booleans.
-    UNSUPPORTED = {
-        "regex": ((), "constrained decoding"),
-        "json_schema": ((), "constrained decoding"),
-        "ebnf": ((), "constrained decoding"),
-        "structural_tag": ((), "constrained decoding"),
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
+        "ebnf": ((), "context-free grammars: a diffusion LM fills positions out of order, which needs a grammar "
+                     "engine that decides whether a partial, out-of-order assignment can still be completed; use "
+                     "regex or json_schema"),
+        "structural_tag": ((), "structural tags (tool-call grammars); use regex or json_schema"),
         "stop_regex": (([],), "stop strings are matched literally; use stop"),
-        "frequency_penalty": ((0.0,), "sampling penalties"),
-        "presence_penalty": ((0.0,), "sampling penalties"),
-        "repetition_penalty": ((1.0,), "sampling penalties"),
-        "min_p": ((0.0,), "min-p sampling"),
-        "logit_bias": (({},), "logit bias"),
         "custom_params": (({},), "custom logit processors"),
         "no_stop_trim": ((False,), "a matched stop string is always trimmed from the text"),
         "spaces_between_special_tokens": ((True,), "the spacing of special tokens in the text is fixed"),
@@ -133,8 +208,6 @@ class SamplingParams:
         for d in noops:
             if isinstance(value, bool) == isinstance(d, bool) and value == d:
                 return
-        import json
-
         allowed = "remove the field or set it to null" + "".join(f" or {json.dumps(d)}" for d in noops)
         raise ValueError(f"{key} is not supported yet ({what}): {allowed}")
 
@@ -166,7 +239,15 @@ class SamplingParams:
                 if not isinstance(v, (list, tuple)):
                     raise ValueError("stop_token_ids must be a list of integers")
                 v = tuple(v)
-            elif k in ("temperature", "top_p", "threshold", "cfg_scale"):
+            elif k == "logit_bias":
+                v = _parse_logit_bias(v)
+            elif k == "regex":
+                if not isinstance(v, str):
+                    raise ValueError(f"regex must be a string, got {type(v).__name__}")
+            elif k == "json_schema":
+                v = _schema_text(v)
+            elif k in ("temperature", "top_p", "threshold", "cfg_scale", "frequency_penalty", "presence_penalty",
+                       "repetition_penalty", "min_p"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ValueError(f"{k} must be a number, got {v!r}")
                 v = float(v)
@@ -176,9 +257,8 @@ class SamplingParams:
                     v = int(v)
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ValueError(f"{k} must be an integer, got {v!r}")
-            elif k in ("ignore_eos", "skip_special_tokens"):
-                if not isinstance(v, bool):
-                    raise ValueError(f"{k} must be a boolean, got {v!r}")
+            elif k in ("ignore_eos", "skip_special_tokens") and not isinstance(v, bool):
+                raise ValueError(f"{k} must be a boolean, got {v!r}")
             kw[k] = v
         return cls(**kw)
 
@@ -245,7 +325,8 @@ class EngineConfig:
         _check(self.max_prefix_cache_tokens is None or self.max_prefix_cache_tokens >= 0,
                "max_prefix_cache_tokens must be >= 0")
         _check(self.calibration_budget_s >= 0, f"calibration_budget_s must be >= 0, got {self.calibration_budget_s}")
-        _check(0 <= self.bicache_audit_rate <= 1, f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate}")
+        _check(0 <= self.bicache_audit_rate <= 1,
+               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate}")
         _check(0 <= self.bicache_audit_min_agreement <= 1,
                f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement}")
         _check(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens must be >= 1")

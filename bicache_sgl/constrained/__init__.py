@@ -120,15 +120,22 @@ def compile_constraint(kind: str, spec: Any, tokenizer, *, end_ids=None, limits:
 
 def constrained_decide(c: Constraint, st: ConstraintState, block_tokens: torch.Tensor, masked: torch.Tensor,
                        logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float, remasking: str,
-                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator | None, min_p: float = 0.0,
+                       conditional: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bicache_sgl.decoding.decide` under a constraint: for the masked positions' logits
     [n, V] (block order) -> (tokens [n], confidence [n] fp64, logprob [n] fp32), where the tokens
     are the constrained path (so every position agrees with it and ``select_transfer`` may unmask
     any of them). Sampling (temperature > 0) perturbs the tempered log-probabilities with Gumbel
-    noise before the DP. Raises :class:`NoCompletion`."""
+    noise before the DP. Raises :class:`NoCompletion`.
+
+    Confidence (``low_confidence``): with ``conditional`` (the default) the path token's
+    probability given the constraint, p(token) / p(tokens the automaton allows there, in the
+    state the path reaches before that position), so a position the constraint forces (a JSON
+    key, a brace) is certain and passes a threshold at once; otherwise the model's own p(token).
+    The logprob is always the model's own."""
     from ..decoding import filter_logits
 
-    logits = filter_logits(logits, top_k, top_p)
+    logits = filter_logits(logits, top_k, top_p, min_p)
     logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
     if temperature > 0:
         u = torch.rand(logp.shape, dtype=torch.float64, generator=generator, device=logp.device)
@@ -139,6 +146,11 @@ def constrained_decide(c: Constraint, st: ConstraintState, block_tokens: torch.T
     chosen = logp.gather(-1, x0[:, None])[:, 0]
     if remasking == "low_confidence":
         conf = chosen.exp()
+        if conditional:
+            filled = torch.as_tensor(block_tokens).clone().cpu()
+            filled[torch.as_tensor(masked).bool().cpu()] = x0.cpu()
+            mass = c.allowed_mass(st, filled, masked, logp.exp())
+            conf = torch.where(mass > 0, conf / mass.clamp_min(1e-300), conf).clamp(max=1.0)
     elif remasking == "random":
         conf = torch.rand(x0.shape, dtype=torch.float64, generator=generator, device=logits.device)
     else:

@@ -94,6 +94,7 @@ class Constraint:
         self._dist: np.ndarray | None = None
         self._exact: list[np.ndarray] = []  # no end ids: F[r] = states with an accepted path of exactly r
         self._period: tuple[int, int] | None = None
+        self._trans: np.ndarray | None = None  # dense transitions (_dense_transitions)
         self._lock = threading.Lock()  # lazily filled tables (a constraint is shared by requests)
 
     # ---------------------------------------------------------------------------- basic queries
@@ -375,6 +376,66 @@ class Constraint:
             best = torch.nan_to_num(sub, nan=NEG_INF).argmax(-1)
             out[rows] = members[best].cpu()
         return out
+
+    def allowed_mass(self, st: ConstraintState, block_tokens, masked, probs: torch.Tensor) -> torch.Tensor:
+        """For a block whose masked positions are filled with a viable path (``block_tokens``
+        [L], ``masked`` [L] bool, ``probs`` [n_masked, V] the model's probabilities in block
+        order): the probability mass of the tokens the automaton allows at each masked position,
+        in the state the path reaches just before it [n_masked] (fp64, on ``probs``' device).
+        Positions past ``st.remaining`` (free) get 1. Divide a path token's probability by it to
+        get its probability given the constraint."""
+        toks = torch.as_tensor(block_tokens).long().cpu().tolist()
+        mask = torch.as_tensor(masked).bool().cpu().numpy()
+        n = probs.shape[0]
+        out = torch.ones(n, dtype=torch.float64, device=probs.device)
+        Lc = min(len(toks), st.remaining)
+        crow = np.flatnonzero(mask[:Lc])
+        if crow.size == 0:
+            return out
+        trans = self._dense_transitions()
+        tc = self._tok_cls_np
+        states = np.empty(Lc, dtype=np.int64)
+        q = st.state
+        for i in range(Lc):
+            states[i] = q
+            if q < 0:
+                continue
+            if trans is None:
+                q = self.next_state(q, toks[i])
+            else:
+                k = tc[toks[i]] if 0 <= toks[i] < len(tc) else -1
+                q = int(trans[q, k]) if k >= 0 else -1
+        ids, cls, _ = self._device_tables(probs.device, probs.shape[-1])
+        row_of = np.cumsum(mask) - 1
+        rows = torch.from_numpy(row_of[crow]).to(probs.device)
+        sub = probs.index_select(0, rows).to(torch.float64).index_select(1, ids)
+        cmass = torch.zeros(len(crow), self.n_classes, dtype=torch.float64, device=probs.device)
+        cmass.scatter_add_(1, cls.unsqueeze(0).expand(len(crow), -1), sub)
+        qs = states[crow]
+        if trans is not None:
+            allowed = (trans[np.maximum(qs, 0)] >= 0) & (qs >= 0)[:, None]
+        else:
+            allowed = np.zeros((len(crow), self.n_classes), dtype=bool)
+            for j, qi in enumerate(qs.tolist()):
+                if qi >= 0:
+                    lo, hi = np.searchsorted(self._key, [qi * self.n_classes, (qi + 1) * self.n_classes])
+                    allowed[j, self._cls_np[lo:hi]] = True
+        mass = (cmass * torch.from_numpy(allowed).to(probs.device)).sum(-1)
+        out[rows] = mass
+        return out
+
+    DENSE_LIMIT = 4_000_000  # states x classes up to which a dense transition table is kept
+
+    def _dense_transitions(self) -> np.ndarray | None:
+        """[S, C] next state (-1: no edge) when small enough, else None (built once, lazily)."""
+        if self.n_states * self.n_classes > self.DENSE_LIMIT:
+            return None
+        with self._lock:
+            if self._trans is None:
+                t = np.full((self.n_states, self.n_classes), -1, dtype=np.int64)
+                t[self._src_np, self._cls_np] = self._dst_np
+                self._trans = t
+            return self._trans
 
     def _why(self, st: ConstraintState, Lc: int, tail: int) -> str:
         if not self.feasible(st):

@@ -6,6 +6,8 @@ uses them lives in ``bicache_sgl.scheduler.request``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NEG_INF = float("-inf")
@@ -19,8 +21,10 @@ def num_transfer_schedule(n_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Standard top-k / nucleus filtering (logits [n, V] fp32); off when top_k=-1, top_p=1."""
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Standard top-k / nucleus / min-p filtering (logits [n, V] fp32); off when top_k=-1, top_p=1,
+    min_p=0. Min-p keeps the tokens whose probability is at least ``min_p`` times the most likely
+    token's (the untempered distribution, as top-p here), i.e. logit >= max logit + log(min_p)."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, NEG_INF)
@@ -30,7 +34,55 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
         sorted_l = sorted_l.masked_fill(drop, NEG_INF)
         logits = torch.full_like(logits, NEG_INF).scatter(-1, idx, sorted_l)
+    if min_p > 0.0:
+        floor = logits.max(dim=-1, keepdim=True).values + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, NEG_INF)
     return logits
+
+
+def token_counts(tokens: torch.Tensor, vocab: int, exclude: tuple[int, ...] = ()) -> torch.Tensor:
+    """How often each token id occurs in ``tokens`` (1-D), ids in ``exclude`` (the mask, EOS
+    padding) and ids >= ``vocab`` left out -> float32 [vocab]."""
+    t = tokens.reshape(-1).long()
+    keep = t < vocab
+    if exclude:
+        keep &= ~torch.isin(t, torch.tensor(exclude, dtype=torch.long, device=t.device))
+    return torch.bincount(t[keep], minlength=vocab)[:vocab].float()
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None, *,
+                    frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                    repetition_penalty: float = 1.0) -> torch.Tensor:
+    """Penalties for a diffusion LM (docs/server.md, "Penalties"). ``logits`` [n, V] (the masked
+    positions being decided); ``counts`` [V]: occurrences of each token among the output tokens
+    unmasked so far; ``seen`` [V] bool: tokens of the prompt or unmasked so far.
+
+    - repetition (HF / CTRL): a seen token's logit is divided by ``repetition_penalty`` when
+      positive and multiplied by it when negative;
+    - frequency / presence (OpenAI): ``logit - frequency_penalty * count - presence_penalty * (count > 0)``.
+    Returns a new tensor (the input is not modified); -inf stays -inf."""
+    out = logits
+    if repetition_penalty != 1.0 and seen is not None and bool(seen.any()):
+        s = seen.to(out.device)[None, :]
+        pen = torch.where(out > 0, out / repetition_penalty, out * repetition_penalty)
+        out = torch.where(s, pen, out)
+    if counts is not None and (frequency_penalty != 0.0 or presence_penalty != 0.0):
+        c = counts.to(device=out.device, dtype=out.dtype)
+        out = out - (frequency_penalty * c + presence_penalty * (c > 0).to(out.dtype))[None, :]
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """Add ``bias`` ((token id, value), ...) to every row; ids past the logits' width are ignored
+    (they are checked against the vocabulary when the request is built). Returns a new tensor."""
+    if not bias:
+        return logits
+    V = logits.shape[-1]
+    ids = torch.tensor([t for t, _ in bias if t < V], dtype=torch.long, device=logits.device)
+    vals = torch.tensor([b for t, b in bias if t < V], dtype=logits.dtype, device=logits.device)
+    out = logits.clone()
+    out[:, ids] += vals[None, :]
+    return out
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -43,13 +95,13 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Gen
 
 
 def decide(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float, remasking: str,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None, min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For masked positions' logits [n, V] -> (tokens [n], confidence [n] fp64, logprob [n] fp32).
 
     Confidence is the softmax probability of the chosen token under the unnoised, filtered
     logits (``low_confidence``) or uniform noise (``random``), as in LLaDA's reference code.
     """
-    logits = filter_logits(logits, top_k, top_p)
+    logits = filter_logits(logits, top_k, top_p, min_p)
     x0 = gumbel_argmax(logits, temperature, generator)
     logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
     chosen = logp.gather(-1, x0[:, None])[:, 0]

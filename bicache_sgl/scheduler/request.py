@@ -16,7 +16,16 @@ import torch
 
 from ..bicache.policy import DepthChoice
 from ..config import DecodeDefaults, SamplingParams
-from ..decoding import NEG_INF, decide, num_transfer_schedule, select_transfer
+from ..constrained import Constraint, ConstraintError, NoCompletion, compile_constraint, constrained_decide
+from ..decoding import (
+    NEG_INF,
+    apply_logit_bias,
+    apply_penalties,
+    decide,
+    num_transfer_schedule,
+    select_transfer,
+    token_counts,
+)
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
 from ..models.config import ModelConfig
@@ -59,7 +68,8 @@ class Req:
     one forward that fills the prefix cache); ``score`` (prefill with input logprobs)."""
 
     def __init__(self, greq: GenerateRequest, plan: DecodePlan, *, mask_id: int, eos_ids: tuple[int, ...],
-                 logit_shift: int, tokenizer, on_event: Callable[[RequestEvent], None] | None, seed: int) -> None:
+                 logit_shift: int, tokenizer, on_event: Callable[[RequestEvent], None] | None, seed: int,
+                 constraint: Constraint | None = None) -> None:
         self.greq, self.plan = greq, plan
         self.rid = greq.rid or uuid.uuid4().hex
         self.params = greq.params
@@ -78,6 +88,14 @@ class Req:
         self.generator = torch.Generator().manual_seed(self.params.seed if self.params.seed is not None else seed)
         self.created = time.perf_counter()
         self.needs_score = self.kind == "score" or (greq.return_logprob and greq.logprob_start_len >= 0)
+        # structured generation (docs/structured.md): the compiled constraint (shared, immutable)
+        # and the automaton state after the committed blocks
+        self.constraint = constraint
+        self.cstate = constraint.start(self.params.max_new_tokens) if constraint is not None else None
+        p = self.params
+        self._penalized = p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
+        self._prompt_ids = torch.unique(torch.tensor(self.prompt, dtype=torch.long)) \
+            if p.repetition_penalty != 1 else None
         # set at admission
         self.kv: SeqKV | None = None
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None
@@ -254,9 +272,14 @@ class Req:
             self._apply_score(logits[k])
         return self._transfer(lg)
 
-    def _transfer(self, lg: torch.Tensor) -> bool:
+    def _process_logits(self, lg: torch.Tensor) -> torch.Tensor:
+        """The logits the decision is made on (a new tensor): logit bias, penalties, then the bans
+        (the mask id always; EOS with ignore_eos, or before min_new_tokens)."""
         p = self.params
-        lg = lg.clone()
+        lg = apply_logit_bias(lg, p.logit_bias) if p.logit_bias else lg.clone()
+        if self._penalized:
+            lg = apply_penalties(lg, *self._penalty_state(lg.shape[-1]), frequency_penalty=p.frequency_penalty,
+                                 presence_penalty=p.presence_penalty, repetition_penalty=p.repetition_penalty)
         lg[:, self.mask_id] = NEG_INF
         if p.ignore_eos:
             lg[:, list(self.suppress_ids)] = NEG_INF
@@ -266,23 +289,80 @@ class Req:
                 rows = early.nonzero()[:, 0]
                 ban = list(self.suppress_ids) + sorted(self.stop_ids)
                 lg[rows[:, None], torch.tensor(ban)[None, :]] = NEG_INF
-        x0, conf, lp = decide(lg, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                              remasking=self.plan.remasking, generator=self.generator)
+        return lg
+
+    def _penalty_state(self, V: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(counts [V] of the output tokens unmasked so far, seen [V] for the repetition penalty).
+        The output region is the first max_new_tokens positions; the mask and EOS (padding) are
+        not counted."""
+        s = self.prompt_len
+        out = self.x[s:s + min(self.plan.gen_len, self.params.max_new_tokens)]
+        counts = token_counts(out, V, self.suppress_ids)
+        seen = None
+        if self._prompt_ids is not None:
+            seen = counts > 0
+            ids = self._prompt_ids[self._prompt_ids < V]
+            seen[ids] = True
+        return counts, seen
+
+    def _transfer(self, lg: torch.Tensor) -> bool:
+        p = self.params
+        lg = self._process_logits(lg)
+        bs, be = self.block_range
+        if self.constraint is not None:
+            block = self.x[bs:be]
+            try:
+                x0, conf, lp = constrained_decide(self.constraint, self.cstate, block, block == self.mask_id, lg,
+                                                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                                  min_p=p.min_p, remasking=self.plan.remasking,
+                                                  generator=self.generator)
+            except NoCompletion as e:
+                self._no_completion(str(e))
+                return True
+        else:
+            x0, conf, lp = decide(lg, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                  remasking=self.plan.remasking, generator=self.generator)
         k = self.schedule[self.step_in_block] if self.step_in_block < len(self.schedule) else 1
+        # under a constraint every x0 is the DP path's token: the threshold (or the schedule's k)
+        # picks which of the path's positions to unmask, at least one
         chosen = select_transfer(conf, k, self.plan.threshold)
         pos = torch.from_numpy(self._pending)[chosen]
         self.x[pos] = x0[chosen]
         if self.greq.return_logprob:
             self._record_out_logprobs(lg, chosen, x0, lp)
-        bs, be = self.block_range
         if bool((self.x[bs:be] == self.mask_id).any()):
             self.step_in_block += 1
             return False
         self.block += 1
         self.step_in_block = 0
         self.final_len = be - self.prompt_len
+        if self.constraint is not None:
+            try:
+                self.cstate = self.constraint.advance(self.cstate, self.x[bs:be])
+            except ConstraintError as e:  # cannot happen: every unmasked token is on a viable path
+                self._not_matching(f"a committed token left the constraint ({e})")
+                return True
         self._check_stop()
         return True
+
+    def _no_completion(self, why: str) -> None:
+        """No output matching the constraint fits: finish with a reason saying so (never a partial
+        output claimed as a match). Before anything is committed the message names max_new_tokens."""
+        c, st, p = self.constraint, self.cstate, self.params
+        if self.final_len == 0 and not c.feasible(st):
+            need = c.min_tokens(st)
+            if need is None:
+                why = "the constraint matches no output this tokenizer can produce"
+            elif not c.end_ids:
+                why = (f"no output matching the constraint is exactly max_new_tokens={p.max_new_tokens} tokens "
+                       f"long (ignore_eos: every position is output)")
+            else:
+                why = (f"no output matching the constraint fits in max_new_tokens={p.max_new_tokens} "
+                       f"(at least {need} tokens needed)")
+        self._finish({"type": "abort", "message": why})
+
+    def _not_matching(self, why: str) -> None:
+        self._finish({"type": "abort", "message": f"the output does not match the constraint: {why}"})
 
     def _record_out_logprobs(self, lg, chosen, x0, lp) -> None:
         k = self.greq.top_logprobs_num
@@ -318,10 +398,13 @@ class Req:
     # -------------------------------------------------------------------------------- stopping
     def _check_stop(self) -> None:
         p = self.params
+        c = self.constraint
         gen = self.x[self.prompt_len:self.prompt_len + self.final_len].tolist()
         limit = min(len(gen), p.max_new_tokens)
         cut, reason = limit, None
-        for i in range(min(p.min_new_tokens, limit), limit):
+        # under a constraint an end id only ever follows a complete match: the output ends at the
+        # first one (min_new_tokens only steered the decision away from it)
+        for i in range(0 if c is not None else min(p.min_new_tokens, limit), limit):
             t = gen[i]
             if t in self.eos_ids or t in self.stop_ids:
                 cut, reason = i, {"type": "stop", "matched": t}
@@ -329,7 +412,7 @@ class Req:
         ids = gen[:cut]
         text = self._decode(ids)
         if p.stop:
-            hit = self._find_stop(ids, text)
+            hit = self._find_stop(ids, text) if c is None else self._find_stop_constrained(ids, text)
             if hit is not None:
                 ids, text, matched = hit
                 cut, reason = len(ids), {"type": "stop", "matched": matched}
@@ -339,7 +422,33 @@ class Req:
         if reason is None and self.final_len >= self.plan.gen_len:
             reason = {"type": "length", "length": len(ids)}
         if reason is not None:
+            if c is not None and not c.matches(ids):  # the safety check: never claim a non-match
+                self._not_matching("the finished output is not a complete match")
+                return
             self._finish(reason)
+
+    def _find_stop_constrained(self, ids: list[int], text: str):
+        """Stop strings under a constraint: the output ends at the earliest stop string that
+        starts where the tokens before it are a complete match (a token boundary in an accepting
+        state, at or after min_new_tokens) -> (those tokens, their text, matched). The stop string
+        and what follows are dropped from both text and ids, so the output still matches;
+        occurrences anywhere else are part of the constrained text."""
+        c = self.constraint
+        q = c.initial
+        for j in range(len(ids) + 1):
+            if j > 0:
+                q = c.next_state(q, ids[j - 1])
+                if q < 0:
+                    return None
+            if j < self.params.min_new_tokens or not c.is_accepting(q):
+                continue
+            head = self._decode(ids[:j])
+            if not text.startswith(head):
+                continue
+            for s in self.params.stop:
+                if s and text.startswith(s, len(head)):
+                    return ids[:j], head, s
+        return None
 
     def _find_stop(self, ids: list[int], text: str):
         """Earliest stop string (after min_new_tokens) -> (ids up to it, trimmed text, matched)."""
@@ -449,5 +558,27 @@ class RequestFactory:
             raise ValueError("top_logprobs_num must be >= 0")
         if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= mc.n_layers:
             raise ValueError(f"bicache_depth must be in [0, {mc.n_layers}]")
+        p = greq.params
+        bad = [t for t, _ in p.logit_bias if t >= V]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
         return Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                   tokenizer=self.tokenizer, on_event=on_event, seed=0)
+                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(p))
+
+    def constraint(self, p: SamplingParams) -> Constraint | None:
+        """Compile the request's output constraint (cached per constraint and end ids; a fresh
+        build takes milliseconds to seconds, bounded by the core's limits, so callers run this
+        off any event loop). Raises ValueError (ConstraintError) with the parser's message."""
+        spec = p.constraint
+        if spec is None:
+            return None
+        kind, value = spec
+        # the ids that end the output, allowed only after a complete match: EOS (not with
+        # ignore_eos) and stop_token_ids. With none (ignore_eos, no stop ids) every position is
+        # output and the match has to fill them all
+        end_ids = (() if p.ignore_eos else tuple(self.eos_ids)) + tuple(p.stop_token_ids)
+        try:
+            return compile_constraint(kind, value, self.tokenizer, end_ids=end_ids)
+        except ConstraintError as e:
+            msg = str(e)
+            raise ConstraintError(msg if msg.startswith(kind) else f"{kind}: {msg}") from None

@@ -50,7 +50,8 @@ def check_refused(name: str, value: Any, spec: Refused, body: Mapping[str, Any],
     if spec.ok is not None and spec.ok(value, body):
         return
     shown = "".join(f" or {json.dumps(d)}" for d in spec.noops)
-    raise FieldError(where + name, f"{where}{name} is not supported ({spec.why}): remove the field or set it to null{shown}")
+    raise FieldError(where + name,
+                     f"{where}{name} is not supported ({spec.why}): remove the field or set it to null{shown}")
 
 
 def check_body(body: Mapping[str, Any], implemented: frozenset[str], metadata: frozenset[str],
@@ -65,8 +66,8 @@ def check_body(body: Mapping[str, Any], implemented: frozenset[str], metadata: f
         if spec is not None:
             check_refused(key, value, spec, body, where)
         elif unknown == "refuse":
-            raise FieldError(where + key, f"{where}{key} is not a field of this API; remove it (docs/server.md lists the "
-                                  "fields this server implements)")
+            raise FieldError(where + key, f"{where}{key} is not a field of this API; remove it (docs/server.md lists "
+                                          "the fields this server implements)")
 
 
 def _none_or_all_none(value: Any, body: Mapping[str, Any]) -> bool:
@@ -132,10 +133,15 @@ def check_generate_body(body: Mapping[str, Any]) -> None:
 # passed into sampling_params as they are (SGLang extras and the diffusion knobs)
 SAMPLING_PASSTHROUGH = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
                         "skip_special_tokens", "seed", "n", "block_length", "steps", "steps_per_block", "threshold",
-                        "remasking", "cfg_scale", "cache_mode", "refresh_interval")
+                        "remasking", "cfg_scale", "cache_mode", "refresh_interval",
+                        # penalties, min-p, logit bias and constraints (docs/server.md, docs/structured.md)
+                        "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
+                        "regex", "json_schema")
 
+# response_format is turned into sampling_params.json_schema by the OpenAI routes
+# (openai_api.response_format_schema)
 _COMMON_IMPLEMENTED = frozenset({"model", "max_tokens", "min_tokens", "stream", "stream_options", "logprobs",
-                                 *SAMPLING_PASSTHROUGH})
+                                 "response_format", *SAMPLING_PASSTHROUGH})
 COMPLETION_IMPLEMENTED = _COMMON_IMPLEMENTED | {"prompt", "echo"}
 CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {"messages", "max_completion_tokens", "top_logprobs",
                                           "continue_final_message", "chat_template_kwargs",
@@ -157,12 +163,8 @@ def _no_tools(body: Mapping[str, Any]) -> bool:
     return not body.get("tools") and not body.get("functions")
 
 
-_CONSTRAINED = "constrained decoding"
 _COMMON_REFUSED: dict[str, Refused] = {
-    **{k: _sampling_refused(k) for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
-                                         "logit_bias", "regex", "json_schema", "ebnf", "no_stop_trim",
-                                         "spaces_between_special_tokens")},
-    "response_format": Refused(_CONSTRAINED + "; only {\"type\": \"text\"} is served", ({"type": "text"},)),
+    **{k: _sampling_refused(k) for k in ("ebnf", "structural_tag", "no_stop_trim", "spaces_between_special_tokens")},
     "lora_path": Refused("LoRA adapters", (), _none_or_all_none),
     "session_params": Refused("sessions"),
     "return_hidden_states": Refused("hidden states are not returned", (False,)),

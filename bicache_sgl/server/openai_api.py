@@ -103,9 +103,60 @@ def check_fields(check: Callable[[Mapping[str, Any]], None], body: Mapping[str, 
         raise field_error(e) from None
 
 
+JSON_OBJECT_SCHEMA = {"type": "object"}  # what SGLang's OpenAI routes send for json_object
+
+
+def response_format_schema(rf: Any) -> dict | bool | None:
+    """OpenAI ``response_format`` -> the JSON schema the output must follow (None: free text).
+
+    ``{"type": "text"}``: none; ``{"type": "json_object"}``: any JSON object (as SGLang:
+    ``{"type": "object"}``, a bounded nesting depth, docs/structured.md); ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``: that schema (``strict`` is
+    accepted either way: the output always follows the schema). Anything else is a 400."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise APIError("response_format must be an object such as {\"type\": \"json_object\"}",
+                       param="response_format")
+    kind = rf.get("type")
+    extra = set(rf) - {"type", "json_schema"}
+    if extra:
+        raise APIError(f"response_format.{sorted(extra)[0]} is not a field of response_format",
+                       param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return dict(JSON_OBJECT_SCHEMA)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise APIError("response_format.json_schema must be an object with a schema", param="response_format")
+        unknown = set(js) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise APIError(f"response_format.json_schema.{sorted(unknown)[0]} is not a field of json_schema",
+                           param="response_format")
+        schema = js.get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise APIError("response_format.json_schema.schema is required (a JSON schema object)",
+                           param="response_format")
+        return schema
+    if kind == "structural_tag":
+        raise APIError("response_format structural_tag is not supported (tool-call grammars); use json_schema",
+                       param="response_format")
+    raise APIError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format")
+
+
 def sampling_dict(body: dict, max_tokens: Any, default_max: int | None) -> dict[str, Any]:
     """The native sampling_params of an OpenAI request (only implemented keys get here)."""
     sp: dict[str, Any] = {k: body[k] for k in SAMPLING_PASSTHROUGH if body.get(k) is not None}
+    schema = response_format_schema(body.get("response_format"))
+    if schema is not None:
+        other = next((k for k in ("json_schema", "regex") if sp.get(k) is not None), None)
+        if other is not None:
+            raise APIError(f"response_format and {other} cannot both be set: one constraint per request",
+                           param="response_format")
+        sp["json_schema"] = schema
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
     elif default_max is not None:
@@ -334,7 +385,8 @@ async def completions(request: Request) -> Response:
     # max_tokens always counts as given: OpenAI's default (16) is a real limit, never shortened
     items = make_items(state, id_lists, sp, True, lp)
     sub = state.new_submission(items)
-    job = CompletionJob(state=state, sub=sub, items=items, object_type="text_completion", rid=f"cmpl-{uuid.uuid4().hex}",
+    job = CompletionJob(state=state, sub=sub, items=items, object_type="text_completion",
+                        rid=f"cmpl-{uuid.uuid4().hex}",
                         texts=[p if p is not None else state.tokenizer.decode(ids) for p, ids in zip(texts, id_lists)],
                         echo=echo, logprobs=logprobs)
     await sub.submit()
