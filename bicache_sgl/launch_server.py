@@ -4,6 +4,12 @@ Flags follow SGLang's ``launch_server`` (``--model-path``, ``--port``, ``--api-k
 the diffusion and bicache knobs; run with ``--help`` for the list. Unknown SGLang flags are
 accepted with a warning. Once the warmup request has gone through, the log shows
 ``The server is fired up and ready to roll! URL: http://HOST:PORT``.
+
+Process layout (SGLang's): this process runs the HTTP server and the tokenizer with 1 torch
+thread; the engine (scheduler + model) runs in a child process with the other CPUs' worth of
+torch threads (:func:`bicache_sgl.engine.process.default_engine_threads`, or ``--num-threads``),
+reached through :class:`bicache_sgl.engine.process.EngineProcessClient`. ``--engine-in-process``
+runs the engine as a thread of this process instead (debugging).
 """
 
 from __future__ import annotations
@@ -28,10 +34,19 @@ def setup_logging(level: str) -> None:
 
 
 def build_engine(args: ServerArgs) -> EngineClient:
-    """The in-process engine these args describe."""
-    from bicache_sgl import Engine
+    """The engine these args describe: in a child process (default) or, with
+    ``--engine-in-process``, in this one. Without ``--num-threads`` the engine gets
+    :func:`~bicache_sgl.engine.process.default_engine_threads` torch threads."""
+    from bicache_sgl.engine.process import EngineProcessClient, default_engine_threads
 
-    return Engine(config=args.engine_config())
+    cfg = args.engine_config()
+    if cfg.num_threads is None:
+        cfg = cfg.replace(num_threads=default_engine_threads())
+    if args.engine_in_process:
+        from bicache_sgl import Engine
+
+        return Engine(config=cfg)
+    return EngineProcessClient(cfg, log_level=args.log_level)
 
 
 def serve(args: ServerArgs, engine: EngineClient | None = None) -> None:
@@ -49,12 +64,26 @@ def serve(args: ServerArgs, engine: EngineClient | None = None) -> None:
             logger.debug("engine construction failed", exc_info=True)
             logger.error("could not start the engine: %s: %s", type(e).__name__, e)
             raise SystemExit(1) from None
-    logger.info("model loaded: %s", engine.model_path)
+    import torch
+
+    from bicache_sgl.engine.process import EngineProcessClient
+
     app = create_app(engine, args)
+    state = app.state.server
+    if isinstance(engine, EngineProcessClient):
+        torch.set_num_threads(1)  # this process parses, tokenizes and encodes; the other cores are the engine's
+        engine.on_failure = state.engine_failed  # /health answers 503 once the engine process is gone
+        if not engine.alive:
+            state.engine_failed("the engine process exited during startup")
+        logger.info("model loaded: %s (engine process pid %d with %d torch threads; server process: 1)",
+                    engine.model_path, engine.pid, engine.num_threads)
+    else:
+        logger.info("model loaded: %s (engine in the server process, %d torch threads)", engine.model_path,
+                    torch.get_num_threads())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, log_config=None)
-    draining_server(config, app.state.server, args.graceful_shutdown_timeout).run()
+    draining_server(config, state, args.graceful_shutdown_timeout).run()
 
 
 def draining_server(config: Any, state: ServerState, grace: float) -> Any:

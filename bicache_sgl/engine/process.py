@@ -408,7 +408,7 @@ class EngineProcessClient:
             self._req.send(_dumps(("submit", sent, reply_id)))
         if reply is not None:
             try:
-                self._await(reply, STATS_TIMEOUT_S, "submitting the request")
+                self._await(reply, STATS_TIMEOUT_S, "submitting the request", reply_id)
             except BaseException:
                 with self._lock:
                     for r in rids:

@@ -4,8 +4,8 @@ The routes are module-level handlers in :mod:`bicache_sgl.server.native_api` (SG
 API) and :mod:`bicache_sgl.server.openai_api` (the OpenAI API); they reach the shared
 :class:`~bicache_sgl.server.state.ServerState` through ``request.app.state.server``. This module
 only adds the middleware, the error handlers, the routers and the startup/shutdown hooks. The
-engine runs in its own thread; handlers only ``submit`` and then await events (see
-:mod:`bicache_sgl.server.bridge`).
+engine runs in its own process (or thread, ``--engine-in-process``); handlers only ``submit``
+and then await events (see :mod:`bicache_sgl.server.bridge`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 
 from bicache_sgl.engine.interface import EngineClient
+from bicache_sgl.engine.process import EngineDeadError
 from bicache_sgl.server import native_api, openai_api
 from bicache_sgl.server.args import ServerArgs
 from bicache_sgl.server.middleware import AuthAndCount
@@ -58,6 +59,7 @@ def create_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     app.state.server = state
     app.add_middleware(AuthAndCount, state=state)
     app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(EngineDeadError, engine_dead_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     add_routes(app, native_api.router)
     add_routes(app, openai_api.router)
@@ -76,6 +78,11 @@ def add_routes(app: FastAPI, router: APIRouter) -> None:
 async def api_error_handler(request: Request, exc: Exception) -> ORJSONResponse:
     assert isinstance(exc, APIError)  # registered for APIError only
     return error_response(request.url.path, exc)
+
+
+async def engine_dead_handler(request: Request, exc: Exception) -> ORJSONResponse:
+    """The engine process is gone: every route that needs it answers 503 (so does /health)."""
+    return error_response(request.url.path, APIError(f"the engine is not running: {exc}", status=503))
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> ORJSONResponse:
@@ -112,7 +119,7 @@ def warmup_and_announce(state: ServerState) -> None:
             req = urllib.request.Request(url + "/generate", data=body, headers=headers, method="POST")
             with urllib.request.urlopen(req, timeout=WARMUP_TIMEOUT_S) as r:
                 r.read()
-        except Exception as e:  # noqa: BLE001 - any failure means the server must not report ready
+        except Exception as e:  # any failure means the server must not report ready
             logger.error("warmup request failed (%s); shutting down", e)
             os.kill(os.getpid(), signal.SIGTERM)
             return

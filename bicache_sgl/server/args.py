@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-server-warmup", action="store_true")
     g.add_argument("--engine-in-process", action="store_true",
                    help="Run the engine as a thread of the HTTP server process instead of in its own process "
-                        "(for debugging: slower, the two share one GIL and one set of cores).")
+                        "(debugging; the engine's step then shares the GIL with the HTTP work).")
     g.add_argument("--enable-metrics", action="store_true", help="Accepted for SGLang parity; /metrics is always on.")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="Largest request body accepted; larger ones get 413 (default 32 MiB).")

@@ -1,9 +1,10 @@
-"""The one place where the asyncio HTTP layer meets the engine thread.
+"""The one place where the asyncio HTTP layer meets the engine's events.
 
-``engine.submit(req, on_event)`` returns at once; ``on_event`` runs on the engine thread and
-only hands the event to the event loop (``loop.call_soon_threadsafe``), so neither side ever
-blocks the other. One :class:`Submission` (one asyncio.Queue) serves all engine requests of one
-HTTP request (a batch, ``n`` samples).
+``engine.submit(req, on_event)`` returns at once; ``on_event`` runs on another thread (the
+engine client's receiver thread when the engine is in its own process, the default; the engine
+thread with ``--engine-in-process``) and only hands the event to the event loop
+(``loop.call_soon_threadsafe``), so neither side ever blocks the other. One :class:`Submission`
+(one asyncio.Queue) serves all engine requests of one HTTP request (a batch, ``n`` samples).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Submission:
         q = self.queue
 
         def make_cb(i: int):
-            def on_event(ev: RequestEvent) -> None:  # engine thread: hand over, never block
+            def on_event(ev: RequestEvent) -> None:  # another thread: hand over, never block
                 try:
                     loop.call_soon_threadsafe(q.put_nowait, (i, ev))
                 except RuntimeError:  # loop closed (server shutting down)

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from bicache_sgl.engine.interface import EngineClient
+from bicache_sgl.engine.process import EngineDeadError
 from bicache_sgl.io_struct import RequestEvent
 from bicache_sgl.server.args import ServerArgs
 from bicache_sgl.server.bridge import Submission
@@ -35,10 +36,25 @@ class ServerState:
         self.chat_template = load_chat_template(args.chat_template)
         self.default_sampling = args.default_sampling_params()
         self.metrics = Metrics(self.served_model_name)
-        self.ready = False
+        self._ready = False
+        self.engine_failure: str | None = None  # set when the engine (process) died: /health is 503 from then on
         self.draining = False  # shutting down: new requests get 503, running ones finish or are aborted
         self.created = int(time.time())
         self.last_probe_ok = 0.0
+
+    @property
+    def ready(self) -> bool:
+        """Warmed up, not shutting down, and the engine is alive."""
+        return self._ready and self.engine_failure is None
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
+    def engine_failed(self, message: str) -> None:
+        """The engine is gone (called by the engine client): /health and /health_generate answer 503."""
+        self.engine_failure = message
+        logger.error("engine failure: %s; /health now answers 503", message)
 
     @property
     def tokenizer(self) -> Any:
@@ -84,6 +100,8 @@ class ServerState:
     async def engine_stats(self) -> dict[str, Any]:
         try:
             return dict(await asyncio.to_thread(self.engine.get_stats) or {})
+        except EngineDeadError:  # already reported (engine_failed); info routes still answer
+            return {}
         except Exception:  # an info route must answer even if the engine is broken
             logger.exception("engine.get_stats() failed")
             return {}
