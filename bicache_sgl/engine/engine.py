@@ -65,7 +65,6 @@ class Engine:
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
         self.context_length = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length)
         # a file, or ("auto": the default without one beside the model) calibrated now on a second
         # engine built by the factory, cached on disk (bicache_sgl/calibration/auto.py)
         self.profile = resolve_profile(cfg, loaded, lambda **kw: Engine(config=cfg, **kw))
@@ -88,6 +87,8 @@ class Engine:
         self.model = loaded.model
         self.scheduler = Scheduler(cfg.max_running_requests, self.memory.request_tokens,
                                    prefix_aware=self.cache.enabled)
+        self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length,
+                                       kv_budget=self.scheduler.kv_budget)
         self.running: list[Req] = []
         self._inbox: list[Req] = []
         self._aborts: set[str] = set()
@@ -106,11 +107,7 @@ class Engine:
     # --------------------------------------------------------------------------------- requests
     def _prepare(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
         """Validate a request and build its state (raises ValueError naming the problem)."""
-        req = self.requests.build(greq, on_event)
-        if not self.scheduler.fits_ever(req):
-            raise ValueError(f"the request needs K/V for {req.kv_tokens} positions, more than the engine's whole "
-                             f"budget of {self.scheduler.kv_budget} (--max-total-tokens)")
-        return req
+        return self.requests.build(greq, on_event)
 
     def validate(self, greq: GenerateRequest) -> None:
         """Raise ValueError naming what is wrong with a request."""

@@ -370,15 +370,12 @@ class EngineProcessClient:
         self.device: str = info["device"]
         self.tokenizer = load_tokenizer(self.config.tokenizer_path or self.model_path, self.config.chat_template)
         self._factory = RequestFactory(self.model_config, self.tokenizer, self.eos_ids, self.config.decode,
-                                       self.context_length)
+                                       self.context_length, kv_budget=self.kv_budget)
 
     # --------------------------------------------------------------------------------- requests
     def validate(self, greq: GenerateRequest) -> None:
-        """The engine's own checks (``RequestFactory.build`` and the K/V budget), run here."""
-        req = self._factory.build(greq, None)
-        if req.kv_tokens > self.kv_budget:
-            raise ValueError(f"the request needs K/V for {req.kv_tokens} positions, more than the engine's whole "
-                             f"budget of {self.kv_budget} (--max-total-tokens)")
+        """The engine's own checks (``RequestFactory.build``, K/V budget included), run here."""
+        self._factory.build(greq, None)
 
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         return self.submit_many([greq], [on_event])[0]

@@ -531,9 +531,10 @@ class RequestFactory:
     """Validates submitted requests against the model and builds their state (once per request)."""
 
     def __init__(self, model_config: ModelConfig, tokenizer, eos_ids: tuple[int, ...], decode: DecodeDefaults,
-                 context_length: int) -> None:
+                 context_length: int, kv_budget: int | None = None) -> None:
         self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
         self.decode, self.context_length = decode, context_length
+        self.kv_budget = kv_budget  # the scheduler's whole private-K/V budget (positions); None: unchecked
 
     def build(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
         """Raise ValueError naming what is wrong, else the request's state."""
@@ -562,8 +563,12 @@ class RequestFactory:
         bad = [t for t, _ in p.logit_bias if t >= V]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
-        return Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(p))
+        req = Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
+                  tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(p))
+        if self.kv_budget is not None and req.kv_tokens > self.kv_budget:
+            raise ValueError(f"the request needs K/V for {req.kv_tokens} positions, more than the engine's whole "
+                             f"budget of {self.kv_budget} (--max-total-tokens)")
+        return req
 
     def constraint(self, p: SamplingParams) -> Constraint | None:
         """Compile the request's output constraint (cached per constraint and end ids; a fresh
