@@ -29,7 +29,7 @@ def test_low_r_stores_few_layers_then_a_high_r_request_upgrades(tiny_llada, tmp_
     eng = _engine(tiny_llada, tmp_path)
     try:
         # low r: a long generation region -> (prompt) / (prompt + 256) ~ 0.4 -> b = 1
-        low = eng.generate(PREFIX + "Alpha: q", {**SP, "max_new_tokens": 256})
+        low = eng.generate(PREFIX + "Alpha: q", {**SP, "max_new_tokens": 256, "steps_per_block": 1})
         st = eng.get_stats()
         assert low["meta_info"]["cached_tokens"] == 0
         assert _layer_tokens_per_cached_token(st) == 1.0  # every cached token holds one layer
@@ -58,7 +58,7 @@ def test_upgraded_layers_are_the_upgrading_requests_own_state(tiny_llada, tmp_pa
     eng = _engine(tiny_llada, tmp_path)
     try:
         prompt = PREFIX + "Alpha: q"
-        eng.generate(prompt, {**SP, "max_new_tokens": 256})
+        eng.generate(prompt, {**SP, "max_new_tokens": 256, "steps_per_block": 1})
         x2 = eng.generate(prompt, {**SP, "max_new_tokens": 8})
         x3 = eng.generate(prompt, {**SP, "max_new_tokens": 8})
         assert (x2["meta_info"]["bicache_depth"], x3["meta_info"]["bicache_depth"]) == (1, 4)
@@ -154,7 +154,7 @@ def test_random_traffic_keeps_every_row_accounted_for(tiny_llada, tmp_path, seed
         bases = [c * 120 for c in "PQRS"]
         for _ in range(14):
             prompt = bases[rng.integers(4)] + "xyz"[rng.integers(3)] * int(rng.integers(1, 20))
-            eng.generate(prompt, {**SP, "max_new_tokens": int(rng.choice([8, 64, 256]))})
+            eng.generate(prompt, {**SP, "max_new_tokens": int(rng.choice([8, 64, 256])), "steps_per_block": 2})
             eng.check_integrity()
         st = eng.get_stats()
         assert st["prefix_cache_upgrades_total"] + st["prefix_cache_trimmed_layer_tokens_total"] + \
@@ -172,7 +172,7 @@ def test_server_reports_node_depth_upgrades_and_audit(tiny_llada, tmp_path):
     BicacheProfile(((0, 0), (30, 1), (50, 2), (70, 4)), 4, model="tiny").save(prof)
     with Runtime(tiny_llada, bicache_profile=str(prof), block_length=8, threshold=0, skip_server_warmup=True,
                  bicache_audit_rate=1.0, bicache_audit_min_agreement=0.0) as rt:
-        rt.generate(PREFIX + "Alpha: q", {**SP, "max_new_tokens": 256})  # stores depth 1
+        rt.generate(PREFIX + "Alpha: q", {**SP, "max_new_tokens": 256, "steps_per_block": 1})  # stores depth 1
         rt.generate(PREFIX + "Beta: q", {**SP, "max_new_tokens": 8})  # reuses at 1, upgrades to 4
         st = rt.internal_state()
         assert st["prefix_cache_upgrades_total"] >= 1 and st["prefix_cache_trimmed_layer_tokens_total"] == 0
