@@ -56,6 +56,8 @@ def parse_args(argv):
     ap.add_argument("--cache-mode", default="dual", choices=("none", "prefix", "dual"))
     ap.add_argument("--modes", default="off,bicache,naive", help="comma-separated --prefix-cache modes")
     ap.add_argument("--profile", default=None, help="bicache profile JSON for the bicache mode")
+    ap.add_argument("--audit-rate", type=float, default=None,
+                    help="--bicache-audit-rate of the engines (default: the engine's, 0.02)")
     ap.add_argument("--calib-threshold", type=float, default=0.97,
                     help="K/V cosine threshold of the on-the-fly profile (when there is no profile)")
     ap.add_argument("--cache-prefix", action="store_true",
@@ -151,7 +153,8 @@ def run_mode(mode, model_path, reqs, prefixes, args, profile_path):
     eng = Engine(model_path, prefix_cache=mode, bicache_profile=profile_path if mode == "bicache" else None,
                  block_length=args.block_length, threshold=args.threshold or None, cache_mode=args.cache_mode,
                  max_running_requests=args.max_running_requests, num_threads=args.threads,
-                 device=args.device, dtype=args.dtype, random_seed=args.seed)
+                 device=args.device, dtype=args.dtype, random_seed=args.seed,
+                 **({} if args.audit_rate is None else {"bicache_audit_rate": args.audit_rate}))
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": args.task == "random"}
     try:
         # warm-up (not timed), then an empty cache
