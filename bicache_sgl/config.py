@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 REMASKING = ("low_confidence", "random")
+# Unmasking algorithms (docs/server.md, "Dream's generation algorithms"): LLaDA's two, on its
+# per-block linear schedule, and Dream's four (``diffusion_generate``), on its timestep schedule.
+LLADA_ALGORITHMS = REMASKING
+DREAM_ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+ALGORITHMS = LLADA_ALGORITHMS + DREAM_ALGORITHMS
+# other spellings accepted for an algorithm name (SGLang's dLLM algorithm class name)
+_ALGORITHM_ALIASES = {"lowconfidence": "low_confidence"}
+DEFAULT_EPS = 1e-3  # Dream's diffusion_generate default
 CACHE_MODES = ("none", "prefix", "dual")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
@@ -31,9 +39,30 @@ def parse_prefix_cache_mode(mode: str) -> tuple[str, int | None]:
     raise ValueError(f"prefix_cache must be one of off, naive, bicache, fixed:N; got {mode!r}")
 
 
+def canonical_algorithm(name: Any, what: str = "dllm_algorithm") -> str:
+    """An algorithm name as given (any case; SGLang's ``LowConfidence``) -> its canonical name.
+    Raises ValueError listing the valid names."""
+    if isinstance(name, str):
+        key = name.strip().lower()
+        key = _ALGORITHM_ALIASES.get(key, key)
+        if key in ALGORITHMS:
+            return key
+    raise ValueError(f"{what} must be one of {', '.join(ALGORITHMS)}; got {name!r}")
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def _check_eps(v: Any, name: str) -> None:
+    if v is not None:
+        _check(_is_num(v) and 0 < v < 1, f"{name} must be in (0, 1) (the last timestep of Dream's schedule), got {v!r}")
+
+
+def _check_alg_temp(v: Any, name: str) -> None:
+    if v is not None:
+        _check(_is_num(v) and v >= 0, f"{name} must be a number >= 0 (0: the most confident positions), got {v!r}")
 
 
 def _is_int(x: Any) -> bool:
@@ -91,8 +120,9 @@ class SamplingParams:
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: the model's generation_config.json default, else 1.0 (see :meth:`resolved`)
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int = -1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -106,6 +136,11 @@ class SamplingParams:
     steps_per_block: int | None = None  # alternative to ``steps``
     threshold: float | None = None  # Fast-dLLM confidence threshold; None/0 = fixed schedule
     remasking: str | None = None
+    # unmasking algorithm (ALGORITHMS; wins over ``remasking``) and Dream's knobs: the last
+    # timestep of its schedule and the temperature of its position sampling (0: top-k)
+    dllm_algorithm: str | None = None
+    eps: float | None = None
+    alg_temp: float | None = None
     cfg_scale: float = 0.0
     cache_mode: str | None = None  # in-request cache: none | prefix | dual
     refresh_interval: int | None = None  # steps between in-request cache refreshes (0 = block start only)
@@ -125,10 +160,12 @@ class SamplingParams:
         _check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
                f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.temperature is not None:
+            _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+                   f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_p is not None:
+            _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+                   f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
                f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -148,6 +185,11 @@ class SamplingParams:
                    f"threshold must be in [0, 1], got {self.threshold!r}")
         if self.remasking is not None:
             _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        if self.dllm_algorithm is not None:
+            _check(self.dllm_algorithm in ALGORITHMS,
+                   f"dllm_algorithm must be one of {', '.join(ALGORITHMS)}; got {self.dllm_algorithm!r}")
+        _check_eps(self.eps, "eps")
+        _check_alg_temp(self.alg_temp, "alg_temp")
         _check(isinstance(self.cfg_scale, (int, float)) and self.cfg_scale >= 0,
                f"cfg_scale must be >= 0, got {self.cfg_scale!r}")
         if self.cache_mode is not None:
@@ -169,6 +211,18 @@ class SamplingParams:
         _check(self.json_schema is None or isinstance(self.json_schema, str),
                "json_schema must be a JSON string or object")
         _check(self.regex is None or self.json_schema is None, "only one of regex and json_schema can be set")
+
+    def resolved(self, model_defaults: Mapping[str, Any] | None = None) -> "SamplingParams":
+        """``temperature`` and ``top_p`` left unset (None) filled from ``model_defaults`` (the
+        checkpoint's generation_config.json), else 1.0. The other knobs that fall back on server
+        and model defaults are resolved with the decoding plan (scheduler/request.py)."""
+        md = model_defaults or {}
+        kw = {}
+        for k in ("temperature", "top_p"):
+            if getattr(self, k) is None:
+                v = md.get(k)
+                kw[k] = 1.0 if v is None else float(v)
+        return dataclasses.replace(self, **kw) if kw else self
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -246,8 +300,10 @@ class SamplingParams:
                     raise ValueError(f"regex must be a string, got {type(v).__name__}")
             elif k == "json_schema":
                 v = _schema_text(v)
+            elif k == "dllm_algorithm":
+                v = canonical_algorithm(v)
             elif k in ("temperature", "top_p", "threshold", "cfg_scale", "frequency_penalty", "presence_penalty",
-                       "repetition_penalty", "min_p"):
+                       "repetition_penalty", "min_p", "eps", "alg_temp"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ValueError(f"{k} must be a number, got {v!r}")
                 v = float(v)
@@ -273,15 +329,24 @@ class DecodeDefaults:
     block_length: int = 32
     steps_per_block: int | None = None  # None: one step per token (steps = generation length)
     threshold: float | None = 0.9
-    remasking: str = "low_confidence"
+    remasking: str = "low_confidence"  # the built-in algorithm, below the model's generation_config
     cache_mode: str = "dual"
     refresh_interval: int = 0
+    # --dllm-algorithm, --dllm-eps, --dllm-alg-temp: None = the model's generation_config.json
+    # value, else the built-in (``remasking``, DEFAULT_EPS, 0)
+    algorithm: str | None = None
+    eps: float | None = None
+    alg_temp: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}")
         _check(self.steps_per_block is None or self.steps_per_block >= 1, "steps_per_block must be >= 1")
         _check(self.threshold is None or 0 <= self.threshold <= 1, f"threshold must be in [0, 1], got {self.threshold}")
         _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}")
+        _check(self.algorithm is None or self.algorithm in ALGORITHMS,
+               f"algorithm must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}")
+        _check_eps(self.eps, "eps")
+        _check_alg_temp(self.alg_temp, "alg_temp")
         _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}")
         _check(self.refresh_interval >= 0, "refresh_interval must be >= 0")
 

@@ -1,4 +1,6 @@
-"""Masked-diffusion decoding primitives (LLaDA's algorithm and Fast-dLLM threshold decoding).
+"""Masked-diffusion decoding primitives: LLaDA's algorithm (``low_confidence``, ``random``),
+Dream's (``bicache_sgl.decoding.dream``: ``origin``, ``maskgit_plus``, ``topk_margin``,
+``entropy``) and Fast-dLLM threshold decoding.
 
 Pure functions on logits of the positions being decided; the per-request state machine that
 uses them lives in ``bicache_sgl.scheduler.request``.
@@ -10,7 +12,24 @@ import math
 
 import torch
 
+from .dream import (
+    dream_confidence,
+    dream_decide,
+    dream_next_transfer,
+    dream_origin_draw,
+    dream_probs,
+    dream_select,
+    dream_timesteps,
+    dream_transfer_count,
+    threshold_score,
+)
+
 NEG_INF = float("-inf")
+
+__all__ = ["NEG_INF", "apply_logit_bias", "apply_penalties", "decide", "dream_confidence", "dream_decide",
+           "dream_next_transfer", "dream_origin_draw", "dream_probs", "dream_select", "dream_timesteps",
+           "dream_transfer_count", "filter_logits", "gumbel_argmax", "num_transfer_schedule", "select_transfer",
+           "threshold_score", "token_counts"]
 
 
 def num_transfer_schedule(n_masked: int, steps: int) -> list[int]:

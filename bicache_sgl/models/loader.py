@@ -1,19 +1,24 @@
 """Load a LLaDA / Dream checkpoint: local folder or Hugging Face hub id, single or sharded
-safetensors, tokenizer and chat template from the same folder.
+safetensors, tokenizer and chat template from the same folder, and the generation defaults of
+its ``generation_config.json`` (Dream ships its ``diffusion_generate`` settings there).
 
 Every failure is a CheckpointError whose message names the file, key or tensor at fault.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..config import canonical_algorithm
 from .config import CheckpointError, ModelConfig, parse_model_config
 from .model import DiffusionLM
 from .weights import checkpoint_names
@@ -43,14 +48,16 @@ def resolve_model_path(model_path: str | None) -> str:
     if p.exists():
         raise CheckpointError(f"model path {model_path} is a file; expected a checkpoint folder with config.json")
     if model_path.count("/") != 1 or model_path.startswith((".", "/")):
-        raise CheckpointError(f"model path {model_path!r} is neither a local folder nor a Hugging Face hub id (org/name)")
+        raise CheckpointError(f"model path {model_path!r} is neither a local folder nor a Hugging Face hub id "
+                              "(org/name)")
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
                                                              "*.py", "tokenizer*"])
     except Exception as e:  # network errors come in many types; the message is what matters
         raise CheckpointError(f"could not fetch {model_path!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                              "Is the hub reachable? Download the checkpoint elsewhere and pass its local folder.") from e
+                              "Is the hub reachable? Download the checkpoint elsewhere and pass its local "
+                              "folder.") from e
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -68,8 +75,100 @@ def read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
-def load_model_config(path: str) -> ModelConfig:
-    return parse_model_config(read_config(path), name=Path(path).name)
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Request defaults a checkpoint ships in ``generation_config.json`` (Dream's
+    ``diffusion_generate`` keys). ``None``: not set there (or ``null``). Precedence, highest
+    first: the request's sampling_params, the server's flags, these, the built-in defaults."""
+
+    steps: int | None = None  # total denoising steps of the generation region
+    algorithm: str | None = None  # "alg"
+    eps: float | None = None
+    alg_temp: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+    def sampling_defaults(self) -> dict[str, float]:
+        """The SamplingParams defaults these give (for :meth:`SamplingParams.resolved`)."""
+        return {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(ModelConfig):
+    """A ModelConfig read from a checkpoint folder, with its generation defaults."""
+
+    generation: GenerationDefaults = GenerationDefaults()
+
+
+def generation_defaults(cfg: ModelConfig) -> GenerationDefaults:
+    """The generation defaults of a config (none for a ModelConfig not read from a folder)."""
+    g = getattr(cfg, "generation", None)
+    return g if isinstance(g, GenerationDefaults) else GenerationDefaults()
+
+
+def _gen_value(key: str, v: Any) -> Any:
+    """A generation_config.json value, checked; raises ValueError saying what is wrong."""
+    def number(x: Any) -> float:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"must be a number, got {x!r}")
+        return float(x)
+    if key == "steps":
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"must be an integer >= 1, got {v!r}")
+        return v
+    if key == "alg":
+        return canonical_algorithm(v, "alg")
+    x = number(v)
+    if key == "eps" and not 0 < x < 1:
+        raise ValueError(f"must be in (0, 1), got {v!r}")
+    if key in ("alg_temp", "temperature") and x < 0:
+        raise ValueError(f"must be >= 0, got {v!r}")
+    if key == "top_p" and not 0 < x <= 1:
+        raise ValueError(f"must be in (0, 1], got {v!r}")
+    return x
+
+
+_GEN_FIELDS = (("steps", "steps"), ("alg", "algorithm"), ("eps", "eps"), ("alg_temp", "alg_temp"),
+               ("temperature", "temperature"), ("top_p", "top_p"))
+
+
+def read_generation_config(path: str) -> GenerationDefaults:
+    """The generation defaults of ``generation_config.json`` in ``path`` (none without the file).
+    A file that is not a JSON object is a CheckpointError; a key with a value this server cannot
+    use (an algorithm it does not implement, a negative temperature) is left out with a warning."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return GenerationDefaults()
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {f}: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f} must hold a JSON object")
+    kw: dict[str, Any] = {}
+    for key, name in _GEN_FIELDS:
+        v = data.get(key)
+        if v is None:
+            continue
+        try:
+            kw[name] = _gen_value(key, v)
+        except ValueError as e:
+            log.warning("%s: ignoring %s (%s); the server's default is used instead", f, key, e)
+    g = GenerationDefaults(**kw)
+    if kw:
+        log.info("request defaults from %s: %s", f, ", ".join(f"{k}={v}" for k, v in kw.items()))
+    return g
+
+
+def load_model_config(path: str) -> CheckpointConfig:
+    """config.json, with the generation defaults of generation_config.json when present."""
+    cfg = parse_model_config(read_config(path), name=Path(path).name)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return CheckpointConfig(**fields, generation=read_generation_config(path))
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -87,7 +186,7 @@ def _weight_files(path: str) -> dict[str, str]:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
+                for k in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
                     out[k] = str(f)
         except Exception as e:
             raise CheckpointError(f"cannot read {f}: not a valid safetensors file ({e})") from e
@@ -183,22 +282,81 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     return model, cfg
 
 
+def remote_tokenizer_class(path: str | Path) -> str | None:
+    """The tokenizer class named by the folder's tokenizer_config.json when only the
+    checkpoint's own code defines it (``auto_map``, or a ``tokenizer_class`` transformers does
+    not have, e.g. Dream's ``DreamTokenizer``); None otherwise."""
+    f = Path(path) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # absent or unreadable: AutoTokenizer reports it
+    if not isinstance(cfg, dict):
+        return None
+    cls = cfg.get("tokenizer_class")
+    cls = cls if isinstance(cls, str) and cls else None
+    auto = cfg.get("auto_map")
+    entry = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto if isinstance(auto, list) else None
+    names = [n for n in (entry if isinstance(entry, list) else [entry]) if isinstance(n, str) and n]
+    if names:
+        return cls or names[0].rsplit(".", 1)[-1]
+    if cls is not None:
+        import transformers
+        if not (hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))):
+            return cls
+    return None
+
+
+def _load_fast_tokenizer_file(path: str, cls: str):
+    """A checkpoint whose tokenizer_config.json names a class defined by its own code: the fast
+    tokenizer file (tokenizer.json) with the config's special tokens and chat template, through
+    transformers' own PreTrainedTokenizerFast (nothing from the folder is executed)."""
+    from transformers import PreTrainedTokenizerFast
+    p = Path(path)
+    if not (p / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"the tokenizer in {path} is {cls}, a class defined by code shipped in the checkpoint "
+            "(tokenizer_config.json: auto_map / tokenizer_class), which this server never runs, with or without "
+            "--trust-remote-code; it loads such a tokenizer from a fast-tokenizer file, tokenizer.json, which "
+            f"{path} does not have. Add one (Dream's DreamTokenizer is Qwen2's byte-level BPE tokenizer over "
+            f"vocab.json and merges.txt under another name; for example: python -c \"from transformers import "
+            f"Qwen2TokenizerFast as T; T.from_pretrained('{path}').save_pretrained('{path}')\"), or pass "
+            "--tokenizer-path to a folder with the same vocabulary's tokenizer.json")
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    except Exception as e:
+        raise CheckpointError(f"cannot load the tokenizer in {path}: its config names {cls} (checkpoint code, "
+                              f"not run); {p / 'tokenizer.json'} could not be loaded in its place: {e}") from e
+    log.info("%s: tokenizer_config.json names %s (checkpoint code, not run); loaded tokenizer.json with its "
+             "special tokens and chat template instead", path, cls)
+    return tok
+
+
 def load_tokenizer(path: str, chat_template: str | None = None):
-    """``AutoTokenizer`` from the folder (no remote code), falling back to its tokenizer.json."""
+    """``AutoTokenizer`` from the folder (no remote code), falling back to its tokenizer.json.
+    A tokenizer class defined by the checkpoint's own code (Dream's ``DreamTokenizer``) is
+    replaced by the folder's tokenizer.json, loaded with the config's special tokens and chat
+    template; without a tokenizer.json that is a CheckpointError saying how to make one."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     p = Path(path)
     if not ((p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists()
             or (p / "tokenizer.model").exists()):
         raise CheckpointError(f"no tokenizer found in {path} (expected tokenizer.json or tokenizer_config.json); "
                               "pass --tokenizer-path")
+    from transformers.utils import logging as hf_logging
+    remote = remote_tokenizer_class(p)
     try:
-        from transformers.utils import logging as hf_logging
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # AutoTokenizer reads config.json and warns about model_type 'llada'
         try:
-            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            if remote is not None:
+                tok = _load_fast_tokenizer_file(path, remote)
+            else:
+                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         finally:
             hf_logging.set_verbosity(verbosity)
+    except CheckpointError:
+        raise
     except Exception as e:
         if not (p / "tokenizer.json").exists():
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e

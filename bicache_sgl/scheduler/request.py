@@ -1,10 +1,27 @@
 """The engine-side state machine of one request (Req): semi-autoregressive blocks, denoising
 steps, in-request cache refreshes, stop conditions, logprobs. What callers submit and receive
 (GenerateRequest, RequestEvent) is in ``bicache_sgl.io_struct``.
+
+Two families of unmasking algorithms share the block loop (docs/server.md, "Dream's generation
+algorithms"):
+
+- LLaDA's (``low_confidence``, ``random``): each block's steps unmask an even share of its
+  masked positions (``num_transfer_schedule``), the most confident by the algorithm;
+- Dream's (``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``): each block runs Dream's
+  timestep schedule over its steps (``bicache_sgl.decoding.dream``). A step that would unmask
+  nothing (``int(n * (1 - s / t)) == 0``, or no ``origin`` draw) is skipped without a forward:
+  it changes nothing, and the next step's schedule is computed as the reference computes it.
+  With one block over the whole region, no in-request cache and no threshold, a greedy run is
+  the reference's ``diffusion_generate``.
+
+Threshold decoding (``threshold`` > 0) replaces either schedule: every masked position of the
+block whose confidence reaches it, at least the most confident one (Dream's ``entropy`` compares
+``exp(-entropy)``; ``origin`` has no confidence and keeps its own schedule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -15,21 +32,38 @@ import numpy as np
 import torch
 
 from ..bicache.policy import DepthChoice
-from ..config import DecodeDefaults, SamplingParams
+from ..config import DEFAULT_EPS, DREAM_ALGORITHMS, REMASKING, DecodeDefaults, SamplingParams
 from ..constrained import Constraint, ConstraintError, NoCompletion, compile_constraint, constrained_decide
 from ..decoding import (
     NEG_INF,
     apply_logit_bias,
     apply_penalties,
     decide,
+    dream_confidence,
+    dream_decide,
+    dream_next_transfer,
+    dream_origin_draw,
+    dream_probs,
+    dream_select,
+    dream_timesteps,
     num_transfer_schedule,
     select_transfer,
+    threshold_score,
     token_counts,
 )
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
 from ..models.config import ModelConfig
 from ..models.forward_batch import SeqKV, SeqWork
+from ..models.loader import GenerationDefaults, generation_defaults
+
+# Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no
+# forward, but their timesteps are kept and walked): a bound on that bookkeeping
+MAX_DREAM_STEPS = 1 << 16
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
 
 
 @dataclass(frozen=True)
@@ -40,27 +74,47 @@ class DecodePlan:
     block_length: int
     steps_per_block: int
     threshold: float | None
-    remasking: str
+    remasking: str  # LLaDA's algorithm, or the confidence a constraint reports for Dream's
     cache_mode: str
     refresh_interval: int
+    algorithm: str = "low_confidence"  # config.ALGORITHMS
+    eps: float = DEFAULT_EPS  # Dream's last timestep
+    alg_temp: float = 0.0  # Dream's position sampling temperature (0: the most confident)
+
+    @property
+    def dream(self) -> bool:
+        """Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``)."""
+        return self.algorithm in DREAM_ALGORITHMS
 
     @classmethod
-    def resolve(cls, p: SamplingParams, d: DecodeDefaults) -> "DecodePlan":
+    def resolve(cls, p: SamplingParams, d: DecodeDefaults, g: GenerationDefaults | None = None) -> "DecodePlan":
+        """Each knob from, in order: the request, the server (``d``), the checkpoint's
+        generation_config.json (``g``), the built-in default."""
+        g = g or GenerationDefaults()
         block = p.block_length or d.block_length
+        alg = p.dllm_algorithm or p.remasking or d.algorithm or g.algorithm or d.remasking
+        remasking = alg if alg in REMASKING else "low_confidence"
+        dream_kw = {"algorithm": alg, "eps": _first(p.eps, d.eps, g.eps, DEFAULT_EPS),
+                    "alg_temp": _first(p.alg_temp, d.alg_temp, g.alg_temp, 0.0)}
         if p.max_new_tokens <= 0:
-            return cls(0, block, 1, None, p.remasking or d.remasking, p.cache_mode or d.cache_mode, 0)
+            return cls(0, block, 1, None, remasking, p.cache_mode or d.cache_mode, 0, **dream_kw)
         n_blocks = -(-p.max_new_tokens // block)
         gen = n_blocks * block
         if p.steps_per_block:
             spb = p.steps_per_block
         elif p.steps:
             spb = max(1, p.steps // n_blocks)
+        elif d.steps_per_block:
+            spb = d.steps_per_block
+        elif g.steps:
+            spb = max(1, g.steps // n_blocks)
         else:
-            spb = d.steps_per_block or block
+            spb = block
+        if alg not in DREAM_ALGORITHMS:
+            spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
         thr = p.threshold if p.threshold is not None else d.threshold
-        return cls(gen, block, min(spb, block), thr if thr else None, p.remasking or d.remasking,
-                   p.cache_mode or d.cache_mode,
-                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval)
+        return cls(gen, block, spb, thr if thr else None, remasking, p.cache_mode or d.cache_mode,
+                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **dream_kw)
 
 
 class Req:
@@ -72,7 +126,7 @@ class Req:
                  constraint: Constraint | None = None) -> None:
         self.greq, self.plan = greq, plan
         self.rid = greq.rid or uuid.uuid4().hex
-        self.params = greq.params
+        self.params = greq.params.resolved()  # the factory has filled in the model's defaults
         self.prompt = list(greq.input_ids)
         self.prompt_len = len(self.prompt)
         self.mask_id, self.shift, self.tokenizer, self.on_event = mask_id, logit_shift, tokenizer, on_event
@@ -108,6 +162,13 @@ class Req:
         self.block = 0
         self.step_in_block = 0
         self.schedule: list[int] = []
+        # Dream's schedule: the block's timesteps, the timestep index (steps that unmask nothing
+        # are skipped without a forward), what the planned step unmasks: a count of the most
+        # confident (``_k``), or for ``origin`` the drawn rows of ``_pending`` (``_drawn``)
+        self.timesteps: torch.Tensor | None = None
+        self.tstep = 0
+        self._k = 0
+        self._drawn: torch.Tensor | None = None
         self.final_len = 0  # generated positions that are final (whole blocks)
         self.out_ids: list[int] = []
         self.text = ""
@@ -205,7 +266,13 @@ class Req:
         in_block = self.x[bs:be]
         masked = bs + np.nonzero((in_block == self.mask_id).numpy())[0]
         if self.step_in_block == 0:
-            self.schedule = num_transfer_schedule(len(masked), self.plan.steps_per_block)
+            if self.plan.dream:
+                self.timesteps = dream_timesteps(self.plan.steps_per_block, self.plan.eps)
+                self.tstep = 0
+            else:
+                self.schedule = num_transfer_schedule(len(masked), self.plan.steps_per_block)
+        if self.plan.dream:
+            self._plan_dream(len(masked))
         self._pending = masked
         depth = self.choice.depth if refresh else 0
         skip = self.choice.prefix if refresh else 0
@@ -221,6 +288,20 @@ class Req:
             works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift))
         self._count(positions, depth, skip, n_layers)
         return works
+
+    def _plan_dream(self, n: int) -> None:
+        """Dream's schedule for the next forward: skip the steps that unmask nothing, then keep
+        what this one unmasks (``origin``: its draw over the ``n`` masked positions, in order)."""
+        self._drawn = None
+        if self.plan.algorithm == "origin":
+            while True:
+                drawn = dream_origin_draw(n, self.tstep, self.timesteps, self.generator)
+                if bool(drawn.any()) or n == 0 or self.tstep >= len(self.timesteps) - 2:
+                    break
+                self.tstep += 1
+            self._drawn = drawn.nonzero()[:, 0]
+        elif self.plan.threshold is None:
+            self.tstep, self._k = dream_next_transfer(n, self.tstep, self.timesteps)
 
     def _prefill_work(self) -> SeqWork:
         pos = np.arange(self.prompt_len, dtype=np.int64)
@@ -272,15 +353,18 @@ class Req:
             self._apply_score(logits[k])
         return self._transfer(lg)
 
-    def _process_logits(self, lg: torch.Tensor) -> torch.Tensor:
+    def _process_logits(self, lg: torch.Tensor, ban_mask: bool = True) -> torch.Tensor:
         """The logits the decision is made on (a new tensor): logit bias, penalties, then the bans
-        (the mask id always; EOS with ignore_eos, or before min_new_tokens)."""
+        (the mask id, unless ``ban_mask`` is False: Dream's algorithms keep it in the distribution
+        their confidence is computed on, and exclude it from the decision themselves; EOS with
+        ignore_eos, or before min_new_tokens)."""
         p = self.params
         lg = apply_logit_bias(lg, p.logit_bias) if p.logit_bias else lg.clone()
         if self._penalized:
             lg = apply_penalties(lg, *self._penalty_state(lg.shape[-1]), frequency_penalty=p.frequency_penalty,
                                  presence_penalty=p.presence_penalty, repetition_penalty=p.repetition_penalty)
-        lg[:, self.mask_id] = NEG_INF
+        if ban_mask:
+            lg[:, self.mask_id] = NEG_INF
         if p.ignore_eos:
             lg[:, list(self.suppress_ids)] = NEG_INF
         elif p.min_new_tokens > 0:
@@ -306,32 +390,50 @@ class Req:
         return counts, seen
 
     def _transfer(self, lg: torch.Tensor) -> bool:
-        p = self.params
-        lg = self._process_logits(lg)
+        p, plan = self.params, self.plan
+        lg = self._process_logits(lg, ban_mask=not plan.dream)
         bs, be = self.block_range
         if self.constraint is not None:
-            block = self.x[bs:be]
             try:
-                x0, conf, lp = constrained_decide(self.constraint, self.cstate, block, block == self.mask_id, lg,
-                                                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                                  min_p=p.min_p, remasking=self.plan.remasking,
-                                                  generator=self.generator)
+                x0, conf, lp = self._decide_constrained(lg, bs, be)
             except NoCompletion as e:
                 self._no_completion(str(e))
                 return True
+        elif plan.algorithm == "origin":  # only the drawn positions are decided, as in the reference
+            rows = self._drawn
+            x0 = torch.zeros(len(self._pending), dtype=torch.long)
+            conf = torch.zeros(len(self._pending))
+            lp = torch.zeros(len(self._pending))
+            if len(rows):
+                x0[rows], conf[rows], lp[rows] = dream_decide(
+                    lg[rows], algorithm="origin", temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                    min_p=p.min_p, mask_id=self.mask_id, generator=self.generator)
+        elif plan.dream:
+            x0, conf, lp = dream_decide(lg, algorithm=plan.algorithm, temperature=p.temperature, top_k=p.top_k,
+                                        top_p=p.top_p, min_p=p.min_p, mask_id=self.mask_id, generator=self.generator)
         else:
             x0, conf, lp = decide(lg, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                                  remasking=self.plan.remasking, generator=self.generator)
-        k = self.schedule[self.step_in_block] if self.step_in_block < len(self.schedule) else 1
-        # under a constraint every x0 is the DP path's token: the threshold (or the schedule's k)
-        # picks which of the path's positions to unmask, at least one
-        chosen = select_transfer(conf, k, self.plan.threshold)
+                                  remasking=plan.remasking, generator=self.generator)
+        # under a constraint every x0 is the DP path's token: the threshold (or the schedule)
+        # picks which of the path's positions to unmask
+        if plan.algorithm == "origin":
+            chosen = self._drawn
+        elif plan.dream and plan.threshold is None:
+            chosen = dream_select(conf, self._k, plan.alg_temp, self.generator)
+        elif plan.dream:
+            chosen = select_transfer(threshold_score(conf, plan.algorithm), 1, plan.threshold)
+        else:
+            k = self.schedule[self.step_in_block] if self.step_in_block < len(self.schedule) else 1
+            chosen = select_transfer(conf, k, plan.threshold)
         pos = torch.from_numpy(self._pending)[chosen]
         self.x[pos] = x0[chosen]
         if self.greq.return_logprob:
+            if plan.dream:
+                lg[:, self.mask_id] = NEG_INF
             self._record_out_logprobs(lg, chosen, x0, lp)
         if bool((self.x[bs:be] == self.mask_id).any()):
             self.step_in_block += 1
+            self.tstep += 1
             return False
         self.block += 1
         self.step_in_block = 0
@@ -344,6 +446,25 @@ class Req:
                 return True
         self._check_stop()
         return True
+
+    def _decide_constrained(self, lg: torch.Tensor, bs: int, be: int):
+        """The constrained path's tokens for every masked position of the block, with the
+        algorithm's confidence: the path token's probability given the constraint for
+        ``low_confidence`` and ``maskgit_plus``, noise for ``random``; Dream's margin or
+        entropy of the model's own distribution for ``topk_margin`` and ``entropy``."""
+        p, plan = self.params, self.plan
+        banned = lg
+        if plan.dream:
+            banned = lg.clone()
+            banned[:, self.mask_id] = NEG_INF
+        block = self.x[bs:be]
+        x0, conf, lp = constrained_decide(self.constraint, self.cstate, block, block == self.mask_id, banned,
+                                          temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                          remasking=plan.remasking, generator=self.generator)
+        if plan.algorithm in ("topk_margin", "entropy"):
+            probs = dream_probs(lg, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+            conf = dream_confidence(probs, x0, plan.algorithm)
+        return x0, conf, lp
 
     def _no_completion(self, why: str) -> None:
         """No output matching the constraint fits: finish with a reason saying so (never a partial
@@ -535,6 +656,8 @@ class RequestFactory:
         self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
         self.decode, self.context_length = decode, context_length
         self.kv_budget = kv_budget  # the scheduler's whole private-K/V budget (positions); None: unchecked
+        # the checkpoint's generation_config.json defaults (below the request and the server)
+        self.generation = generation_defaults(model_config)
 
     def build(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
         """Raise ValueError naming what is wrong, else the request's state."""
@@ -545,7 +668,14 @@ class RequestFactory:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
-        plan = DecodePlan.resolve(greq.params, self.decode)
+        gen = self.generation
+        params = greq.params.resolved(gen.sampling_defaults())
+        if params is not greq.params:
+            greq = dataclasses.replace(greq, params=params)
+        plan = DecodePlan.resolve(params, self.decode, gen)
+        if plan.dream and plan.steps_per_block > MAX_DREAM_STEPS:
+            raise ValueError(f"steps: Dream's schedule ({plan.algorithm}) runs at most {MAX_DREAM_STEPS} steps per "
+                             f"block, got {plan.steps_per_block}")
         if len(ids) + plan.gen_len > self.context_length:
             raise ValueError(f"prompt ({len(ids)} tokens) plus generation region ({plan.gen_len} positions, "
                              f"max_new_tokens rounded up to whole blocks) exceeds the context length "

@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bicache_sgl.config import CACHE_MODES, DTYPES, REMASKING, DecodeDefaults, EngineConfig, parse_prefix_cache_mode
+from bicache_sgl.config import (
+    ALGORITHMS,
+    CACHE_MODES,
+    DTYPES,
+    REMASKING,
+    DecodeDefaults,
+    EngineConfig,
+    canonical_algorithm,
+    parse_prefix_cache_mode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +85,11 @@ class ServerArgs:
     remasking: str = "low_confidence"
     cache_mode: str = "dual"
     refresh_interval: int = 0
+    # unmasking algorithm and Dream's knobs; None: the checkpoint's generation_config.json, else
+    # the built-in (remasking, eps 1e-3, alg_temp 0). --remasking given explicitly sets it too
+    dllm_algorithm: str | None = None
+    dllm_eps: float | None = None
+    dllm_alg_temp: float | None = None
     # informational: the flags we did not understand
     ignored_args: tuple[str, ...] = ()
 
@@ -102,6 +116,9 @@ class ServerArgs:
             remasking=self.remasking,
             cache_mode=self.cache_mode,
             refresh_interval=self.refresh_interval,
+            algorithm=self.dllm_algorithm,
+            eps=self.dllm_eps,
+            alg_temp=self.dllm_alg_temp,
         )
         kw: dict[str, Any] = {
             "model_path": self.model_path,
@@ -271,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=None, help="Total denoising steps per request (alternative).")
     g.add_argument("--threshold", type=_threshold, default=0.9,
                    help="Confidence threshold for parallel unmasking (Fast-dLLM); 'none' = fixed schedule.")
-    g.add_argument("--remasking", default="low_confidence", choices=REMASKING)
+    g.add_argument("--remasking", default=None, choices=REMASKING,
+                   help="LLaDA's algorithms (default low_confidence); --dllm-algorithm names all of them.")
     g.add_argument("--cache-mode", default="dual", choices=CACHE_MODES,
                    help="In-request KV cache: none | prefix | dual (Fast-dLLM).")
     g.add_argument("--refresh-interval", type=int, default=0,
@@ -286,8 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Accepted for SGLang's command lines. The model code is part of this package; nothing "
                         "from the checkpoint folder is ever executed, with or without the flag.")
     g.add_argument("--dllm-algorithm", default=None,
-                   help="SGLang dLLM algorithm name. Only LowConfidence (= --remasking low_confidence) is "
-                        "implemented; any other name is a startup error.")
+                   help=f"Unmasking algorithm, for LLaDA and Dream alike: {', '.join(ALGORITHMS)} (SGLang's "
+                        "LowConfidence = low_confidence). Default: the checkpoint's generation_config.json 'alg', "
+                        "else low_confidence. Requests override it with sampling_params.dllm_algorithm.")
+    g.add_argument("--dllm-eps", type=float, default=None,
+                   help="Dream's schedule: the last timestep (default: generation_config.json, else 1e-3).")
+    g.add_argument("--dllm-alg-temp", type=float, default=None,
+                   help="Dream's algorithms: sample the positions to unmask with softmax(confidence / T) instead "
+                        "of taking the most confident (default: generation_config.json, else 0).")
     g.add_argument("--dllm-algorithm-config", default=None,
                    help="Not implemented (a startup error if given): set --block-length, --threshold, "
                         "--steps-per-block instead.")
@@ -336,12 +360,14 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     if ns.dllm_algorithm_config is not None:
         parser.error("--dllm-algorithm-config is not implemented; set the decoding with --block-length, "
                      "--threshold and --steps-per-block instead")
-    remasking = ns.remasking
+    algorithm = ns.remasking  # an explicit --remasking is a server flag above generation_config.json
     if ns.dllm_algorithm:
-        if ns.dllm_algorithm.lower() not in ("lowconfidence", "low_confidence"):
-            parser.error(f"--dllm-algorithm {ns.dllm_algorithm} is not implemented; the only one is LowConfidence "
-                         "(low-confidence remasking, with the Fast-dLLM --threshold)")
-        remasking = "low_confidence"
+        try:
+            algorithm = canonical_algorithm(ns.dllm_algorithm)
+        except ValueError:
+            parser.error(f"--dllm-algorithm {ns.dllm_algorithm} is not implemented; valid: {', '.join(ALGORITHMS)} "
+                         "(SGLang's LowConfidence = low_confidence)")
+    remasking = algorithm if algorithm in REMASKING else (ns.remasking or "low_confidence")
     for name in ("max_running_requests", "block_length", "steps_per_block", "steps", "max_queued_requests",
                  "max_prefix_cache_tokens", "num_threads", "context_length", "max_request_bytes", "max_batch_size",
                  "max_n", "max_total_tokens"):
@@ -393,6 +419,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         remasking=remasking,
         cache_mode=ns.cache_mode,
         refresh_interval=ns.refresh_interval,
+        dllm_algorithm=algorithm,
+        dllm_eps=ns.dllm_eps,
+        dllm_alg_temp=ns.dllm_alg_temp,
         ignored_args=tuple(unknown),
     )
     try:

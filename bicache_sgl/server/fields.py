@@ -134,6 +134,8 @@ def check_generate_body(body: Mapping[str, Any]) -> None:
 SAMPLING_PASSTHROUGH = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
                         "skip_special_tokens", "seed", "n", "block_length", "steps", "steps_per_block", "threshold",
                         "remasking", "cfg_scale", "cache_mode", "refresh_interval",
+                        # the unmasking algorithm and Dream's knobs (docs/server.md, "Dream's algorithms")
+                        "dllm_algorithm", "eps", "alg_temp",
                         # penalties, min-p, logit bias and constraints (docs/server.md, docs/structured.md)
                         "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
                         "regex", "json_schema")
