@@ -31,11 +31,17 @@ from .model_runner import ModelRunner, load
 
 log = logging.getLogger(__name__)
 
-_DECODE_FIELDS = ("block_length", "steps_per_block", "threshold", "remasking", "cache_mode", "refresh_interval")
+_DECODE_FIELDS = ("block_length", "steps_per_block", "threshold", "remasking", "cache_mode", "refresh_interval",
+                  "algorithm", "eps", "alg_temp")
+# SGLang-style spellings of decode defaults accepted as Engine keyword arguments
+_DECODE_ALIASES = {"dllm_algorithm": "algorithm", "dllm_eps": "eps", "dllm_alg_temp": "alg_temp"}
 
 
 def build_config(config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:
     """EngineConfig from keyword arguments (decode defaults may be given flat)."""
+    for alias, name in _DECODE_ALIASES.items():
+        if alias in kwargs:
+            kwargs[name] = kwargs.pop(alias)
     decode_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_FIELDS}
     # None means "default" except for threshold, where None (or 0) means the fixed step schedule
     decode_kw = {k: v for k, v in decode_kw.items() if v is not None or k == "threshold"}
