@@ -10,6 +10,9 @@ thread; the engine (scheduler + model) runs in a child process with the other CP
 torch threads (:func:`bicache_sgl.engine.process.default_engine_threads`, or ``--num-threads``),
 reached through :class:`bicache_sgl.engine.process.EngineProcessClient`. ``--engine-in-process``
 runs the engine as a thread of this process instead (debugging).
+
+``--dp-size N`` (N > 1) starts N such servers on loopback ports and ``sglang-router`` in front of
+them on ``--host``/``--port`` instead (:mod:`bicache_sgl.router`, docs/scaleout.md).
 """
 
 from __future__ import annotations
@@ -121,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             level = a.split("=", 1)[1].lower()
     setup_logging(level if level in ("debug", "info", "warning", "error", "critical") else "info")
     args = parse_args(argv)
+    if args.dp_size > 1:  # N workers behind sglang-router; this process only supervises them
+        from bicache_sgl.router import launch_data_parallel
+
+        raise SystemExit(launch_data_parallel(args, argv))
     serve(args)
 
 

@@ -35,6 +35,10 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 _ATTENTION_ALIASES = {"torch_native": "torch", "sdpa": "torch"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+# sglang-router's --policy choices (0.3.2) for --router-policy; the launcher sets the router's own
+# --host/--port/--worker-urls/--policy, so those cannot come through --router-NAME
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
+_ROUTER_OWNED_FLAGS = ("--host", "--port", "--worker-urls", "--policy")
 
 
 @dataclass
@@ -90,6 +94,11 @@ class ServerArgs:
     dllm_algorithm: str | None = None
     dllm_eps: float | None = None
     dllm_alg_temp: float | None = None
+    # data parallelism (--dp-size N > 1: N workers behind sglang-router, bicache_sgl/router.py)
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
+    router_extra_args: tuple[str, ...] = ()  # --router-NAME [V] flags, passed to the router as --NAME [V]
+    dp_max_restarts: int = 3
     # informational: the flags we did not understand
     ignored_args: tuple[str, ...] = ()
 
@@ -158,6 +167,7 @@ class ServerArgs:
         d = dataclasses.asdict(self)
         d["api_key"] = "<redacted>" if self.api_key else None
         d["ignored_args"] = list(self.ignored_args)
+        d["router_extra_args"] = redact_unknown(self.router_extra_args)
         d["prefix_cache"] = self.effective_prefix_cache()
         return d
 
@@ -299,7 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
                    help="Only 1: tensor parallelism is not implemented (a larger value is a startup error).")
     g.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
-                   help="Only 1: data parallelism is not implemented (a larger value is a startup error).")
+                   help="Data parallelism: N > 1 starts N server workers on loopback ports and sglang-router "
+                        "in front of them on --host/--port (needs the 'router' extra; docs/scaleout.md).")
+    g.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="With --dp-size > 1: the router's load-balancing policy. Any other --router-NAME [VALUE] "
+                        "flag is passed to sglang-router as --NAME [VALUE] (e.g. --router-cache-threshold 0.5).")
+    g.add_argument("--dp-max-restarts", type=int, default=3,
+                   help="With --dp-size > 1: how many times each worker is restarted after it dies (0: report "
+                        "and serve with the others).")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for SGLang's command lines. The model code is part of this package; nothing "
                         "from the checkpoint folder is ever executed, with or without the flag.")
@@ -341,10 +358,27 @@ def redact_unknown(unknown: Sequence[str]) -> list[str]:
     return out
 
 
+def split_router_flags(unknown: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Unknown flags -> (the rest, the ``--router-NAME [VALUE...]`` ones as the router's ``--NAME
+    [VALUE...]``). ``--router-*`` is how SGLang's ``sglang_router.launch_server`` passes flags
+    to its router, so the same spelling works with ``--dp-size``."""
+    rest: list[str] = []
+    router: list[str] = []
+    to_router = False
+    for a in unknown:
+        if a.startswith("--"):
+            to_router = a.startswith("--router-") and len(a) > len("--router-")
+            if to_router:
+                a = "--" + a[len("--router-"):]
+        (router if to_router else rest).append(a)
+    return rest, router
+
+
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """Parse flags; unknown ones are kept in ``ignored_args`` and warned about."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    unknown, router_extra = split_router_flags(unknown)
     unknown = redact_unknown(unknown)
     if unknown:
         logger.warning("ignoring unsupported SGLang flags: %s", " ".join(unknown))
@@ -354,9 +388,16 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         backend = "torch"
     if ns.tp_size != 1:
         parser.error(f"--tp-size {ns.tp_size}: tensor parallelism is not implemented; use --tp-size 1")
-    if ns.dp_size != 1:
-        parser.error(f"--dp-size {ns.dp_size}: data parallelism is not implemented; use --dp-size 1 "
-                     "(run several servers behind a load balancer instead)")
+    if ns.dp_size < 1:
+        parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
+    if ns.dp_max_restarts < 0:
+        parser.error(f"--dp-max-restarts must be >= 0, got {ns.dp_max_restarts}")
+    for flag in router_extra:
+        if flag.split("=", 1)[0] in _ROUTER_OWNED_FLAGS:
+            parser.error(f"--router-{flag[2:].split('=', 1)[0]} is set by the launcher: the router listens on "
+                         "--host/--port, its workers are the --dp-size servers, and --router-policy picks the policy")
+    if router_extra and ns.dp_size == 1:
+        logger.warning("ignoring router flags without --dp-size > 1: %s", " ".join(redact_unknown(router_extra)))
     if ns.dllm_algorithm_config is not None:
         parser.error("--dllm-algorithm-config is not implemented; set the decoding with --block-length, "
                      "--threshold and --steps-per-block instead")
@@ -422,6 +463,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         dllm_algorithm=algorithm,
         dllm_eps=ns.dllm_eps,
         dllm_alg_temp=ns.dllm_alg_temp,
+        dp_size=ns.dp_size,
+        router_policy=ns.router_policy,
+        router_extra_args=tuple(router_extra),
+        dp_max_restarts=ns.dp_max_restarts,
         ignored_args=tuple(unknown),
     )
     try:
