@@ -69,7 +69,7 @@ def test_bad_flags_exit(argv):
 @pytest.mark.parametrize("argv,message", [
     (["--tp-size", "2"], "tensor parallelism is not implemented; use --tp-size 1"),
     (["--tensor-parallel-size", "4"], "tensor parallelism is not implemented; use --tp-size 1"),
-    (["--dp-size", "2"], "data parallelism is not implemented; use --dp-size 1"),
+    (["--dp-size", "0"], "--dp-size must be >= 1"),
     (["--dllm-algorithm", "JointThreshold"], "--dllm-algorithm JointThreshold is not implemented"),
     (["--dllm-algorithm-config", "algo.yaml"], "--dllm-algorithm-config is not implemented")])
 def test_unimplemented_flags_stop_the_launch(argv, message, capsys):
