@@ -5,8 +5,16 @@ from .config import DecodeDefaults, EngineConfig, SamplingParams
 from .engine.engine import Engine
 from .io_struct import GenerateRequest, QueueFullError, RequestEvent
 
-__all__ = ["DecodeDefaults", "Engine", "EngineConfig", "GenerateRequest", "QueueFullError", "RequestEvent",
-           "SamplingParams", "Runtime"]
+__all__ = [
+    "DecodeDefaults",
+    "Engine",
+    "EngineConfig",
+    "GenerateRequest",
+    "QueueFullError",
+    "RequestEvent",
+    "Runtime",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 

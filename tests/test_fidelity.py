@@ -431,7 +431,7 @@ def test_depth_d_forward_matches_an_independent_reference(fixture, request):
             return SeqWork(kv, torch.tensor(main), np.arange(len(main)), want - shift, depth=d, skip=p,
                            resume_rows=resume_rows)
 
-        def store():
+        def store(N=N, p=p):
             return _Store(cfg, (L + 1) * L * N, (L + 1) * L * p, dev)
 
         refs = [reference_depth_forward(m, main, p, d, cached)[want - shift] for d in range(L + 1)]

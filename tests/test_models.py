@@ -20,7 +20,8 @@ def _load_raw(folder: str) -> tuple[dict, dict]:
     cfg = json.loads((Path(folder) / "config.json").read_text())
     sd = {}
     index = Path(folder) / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     for f in files:
         sd.update(load_file(str(Path(folder) / f)))
     return cfg, sd

@@ -93,7 +93,8 @@ def test_incremental_streaming_matches_non_streaming(rt):
 
 def test_queue_full_is_503(rt):
     # a batch is queued atomically: 4 requests do not fit a queue of 3
-    r = requests.post(rt.url + "/generate", json={"text": ["a", "b", "c", "d"], "sampling_params": {"max_new_tokens": 8}},
+    r = requests.post(rt.url + "/generate",
+                      json={"text": ["a", "b", "c", "d"], "sampling_params": {"max_new_tokens": 8}},
                       headers=AUTH, timeout=60)
     assert r.status_code == 503 and "queue is full" in r.json()["error"]["message"]
     r = requests.post(rt.url + "/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 8}},

@@ -338,7 +338,8 @@ def test_runtime_flag_mapping():
     from bicache_sgl.runtime import find_free_port, server_flags
 
     assert server_flags({"block_length": 8, "disable_radix_cache": True, "api_key": None, "skip_server_warmup": False,
-                         "threshold": "none"}) == ["--block-length", "8", "--disable-radix-cache", "--threshold", "none"]
+                         "threshold": "none"}) == ["--block-length", "8", "--disable-radix-cache", "--threshold",
+                                                   "none"]
     port = find_free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the port it returns can really be served
         s.bind(("127.0.0.1", port))

@@ -258,8 +258,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help='--launch: extra server flags, e.g. "--num-threads 1 --block-length 32"')
     ap.add_argument("--prefix-cache", default=None,
                     help="--launch: the server's --prefix-cache (off, naive, bicache, fixed:N). Without "
-                         "--launch the script checks that the running server uses this mode.")
+                         "--launch the script checks that the running server uses this mode. With --launch, "
+                         "a comma-separated list (e.g. off,naive,bicache) runs every mode in turn, one server "
+                         "each, and prints them side by side (accuracy, outputs equal to the first mode's, "
+                         "compute saved, mean depth)")
     args = ap.parse_args(argv)
+    if args.prefix_cache and "," in args.prefix_cache and not args.launch:
+        ap.error("a list of --prefix-cache modes needs --launch")
     if args.max_new_tokens is None:
         args.max_new_tokens = 512 if args.data_path else 32
     if args.num_shots < 0 or args.num_questions < 1 or args.parallel < 1:
@@ -280,6 +285,36 @@ def main(argv: Sequence[str] | None = None) -> dict:
             raise SystemExit(f"--task-kind must be one of {bundled_kinds()}, got {args.task_kind!r}")
         items = load_bundled(args.num_shots, args.num_questions, args.control, args.seed, args.task_kind)
 
+    if args.prefix_cache and "," in args.prefix_cache:
+        return compare_modes(args, sgl, task_name, items)
+    return _launch_and_run(args, sgl, task_name, items)
+
+
+def compare_modes(args: argparse.Namespace, sgl: Any, task_name: str, items: list[dict]) -> dict:
+    """Run every mode of the comma-separated ``--prefix-cache`` (one launched server each) and print
+    them side by side; the first mode is the reference for output agreement."""
+    modes = [m.strip() for m in args.prefix_cache.split(",") if m.strip()]
+    results, outputs = {}, {}
+    for mode in modes:
+        print(f"=== --prefix-cache {mode}", flush=True)
+        outputs[mode] = []
+        results[mode] = _launch_and_run(argparse.Namespace(**{**vars(args), "prefix_cache": mode}),
+                                        sgl, task_name, items, outputs[mode])
+    ref = outputs[modes[0]]
+    print(f"\n| mode | accuracy | outputs equal to {modes[0]} | cache hit rate | saved compute | mean depth |")
+    print("|---|---|---|---|---|---|")
+    for mode in modes:
+        r = results[mode]
+        agree = sum(a == b for a, b in zip(outputs[mode], ref)) / max(1, len(ref))
+        r["agreement_with_first_mode"] = agree
+        o = r["other"]
+        print(f"| {mode} | {r['accuracy']:.3f} | {agree:.3f} | {_fmt(o['cache_hit_rate'])} | "
+              f"{_fmt(o['saved_compute_fraction'])} | {_fmt(o['bicache_depth_mean'], '.2f')} |")
+    return {"modes": modes, "results": results}
+
+
+def _launch_and_run(args: argparse.Namespace, sgl: Any, task_name: str, items: list[dict],
+                    outputs_out: list | None = None) -> dict:
     runtime = None
     if args.launch:
         server_kwargs = parse_server_args(args.server_args)
@@ -297,13 +332,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         url = base_url(args.host, args.port)
 
     try:
-        return _run(args, sgl, url, task_name, items)
+        return _run(args, sgl, url, task_name, items, outputs_out)
     finally:
         if runtime is not None:
             runtime.shutdown()
 
 
-def _run(args: argparse.Namespace, sgl: Any, url: str, task_name: str, items: list[dict]) -> dict:
+def _run(args: argparse.Namespace, sgl: Any, url: str, task_name: str, items: list[dict],
+         outputs_out: list | None = None) -> dict:
     try:
         backend = sgl.RuntimeEndpoint(url, api_key=args.api_key)
     except (urllib.error.URLError, OSError) as e:
@@ -408,6 +444,8 @@ def _run(args: argparse.Namespace, sgl: Any, url: str, task_name: str, items: li
             for i, (it, out, p, c) in enumerate(zip(items, outputs, preds, correct)):
                 f.write(json.dumps({"prompt_id": i, "prompt": it["prefix"] + it["question"], "output": out,
                                     "pred": p, "label": it["label"], "correct": c}) + "\n")
+    if outputs_out is not None:
+        outputs_out.extend(outputs)
     return result
 
 

@@ -43,12 +43,14 @@ class ModelConfig:
             if not isinstance(v, int) or v <= 0:
                 raise CheckpointError(f"config.json: {k} must be a positive integer, got {v!r}")
         if self.n_heads % self.n_kv_heads:
-            raise CheckpointError(f"config.json: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+            raise CheckpointError(f"config.json: n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                                  f"({self.n_kv_heads})")
         if self.head_dim % 2:
             raise CheckpointError(f"config.json: the head dim (head_dim, or the hidden size / heads) is "
                                   f"{self.head_dim}; it must be even for RoPE")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise CheckpointError(f"config.json: mask_token_id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})")
+            raise CheckpointError(f"config.json: mask_token_id {self.mask_token_id} is outside the vocabulary "
+                                  f"({self.vocab_size})")
         if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
             raise CheckpointError(f"config.json: rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):

@@ -51,7 +51,8 @@ class DecoderLayer(nn.Module):
         projections' weights become views into the fused tensors, so memory does not grow."""
         if self._fused:
             return
-        for name, parts in (("qkv", (self.q_proj, self.k_proj, self.v_proj)), ("gate_up", (self.gate_proj, self.up_proj))):
+        groups = (("qkv", (self.q_proj, self.k_proj, self.v_proj)), ("gate_up", (self.gate_proj, self.up_proj)))
+        for name, parts in groups:
             w = torch.cat([p.weight.data for p in parts], dim=0)
             b = torch.cat([p.bias.data for p in parts], dim=0) if parts[0].bias is not None else None
             off = 0

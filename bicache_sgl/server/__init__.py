@@ -12,7 +12,7 @@ try:
         __version__ = _version("bicache-sgl")
     except PackageNotFoundError:
         __version__ = "0.1.0"
-except Exception:  # noqa: BLE001
+except Exception:
     __version__ = "0.1.0"
 
 from bicache_sgl.server.args import ServerArgs, build_parser, parse_args

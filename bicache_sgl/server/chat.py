@@ -111,7 +111,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], template: str | 
                                              continue_final_message=continue_final_message, **kwargs)
     except TypeError:
         text = _render_jinja(tpl, messages, tokenizer, add_gen)
-    except Exception as e:  # noqa: BLE001 - template errors are the client's problem (bad roles order ...)
+    except Exception as e:
         raise APIError(f"could not apply the chat template: {e}", param="messages") from None
     if continue_final_message and tpl is BUILTIN_TEMPLATES["default"]:
         # the plain template ends every message with a newline; continue the last one instead

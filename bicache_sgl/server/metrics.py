@@ -126,7 +126,8 @@ class Metrics:
             metric("sglang:num_requests_total", "counter", "Finished generation requests.",
                    [(f"{{{label}}}", self.requests_total)])
             metric("sglang:finished_requests_total", "counter", "Finished requests by finish reason.",
-                   [(f'{{{label},finish_reason="{_escape(k)}"}}', v) for k, v in sorted(self.requests_by_finish.items())]
+                   [(f'{{{label},finish_reason="{_escape(k)}"}}', v)
+                    for k, v in sorted(self.requests_by_finish.items())]
                    or [(f'{{{label},finish_reason="stop"}}', 0)])
             metric("sglang:prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [(f"{{{label}}}", self.prompt_tokens_total)])
@@ -138,7 +139,8 @@ class Metrics:
                    [(f"{{{label}}}", self.forward_passes_total)])
             metric("sglang:http_requests_total", "counter", "HTTP requests by route and status.",
                    [(f'{{{label},route="{_escape(r)}",status="{s}"}}', v)
-                    for (r, s), v in sorted(self.http_requests.items())] or [(f'{{{label},route="/",status="200"}}', 0)])
+                    for (r, s), v in sorted(self.http_requests.items())]
+               or [(f'{{{label},route="/",status="200"}}', 0)])
             for name, h, help_ in (("sglang:e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
                                    ("sglang:time_to_first_token_seconds", self.ttft,
                                     "Time until the first final block was sent.")):
@@ -182,7 +184,7 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) or isinstance(v, bool)
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)) or isinstance(v, bool)
 
 
 def _sanitize(name: str) -> str:

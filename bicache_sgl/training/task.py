@@ -25,6 +25,12 @@ shown in that block.  Two kinds of family:
   example whose key matches the question (in-context associative recall).  Much
   harder for a small model: it did not learn within the CPU budget (see
   docs/default_model.md).
+- ``"group"``: the keys fall into two fixed halves of the alphabet (``GROUPS``); a
+  family has one code per half (the first half's from 0-4, the second's from 5-9,
+  ``GROUP_CODES``), and the question's key decides which of the two codes is the
+  answer.  The question selects which part of the prefix matters, so the
+  same prefix means something else after another question (the context-dependent
+  model of docs/fidelity.md is trained on it).
 
 Without the few-shot block (or with the block of another family) the best a model
 can do is guess one of ten digits: chance is 10%.
@@ -52,7 +58,10 @@ MAX_SHOTS = 12
 #   "code":   every example of a family answers with the family's secret digit;
 #   "lookup": every key of a family has its own digit (harder; did not learn in budget).
 DEFAULT_KIND = "code"
-KINDS = ("code", "lookup")
+KINDS = ("code", "lookup", "group")
+# kind "group": the two halves of KEY_CHARS; every key of a half answers its half's code
+GROUPS = (KEY_CHARS[:12], KEY_CHARS[12:])
+GROUP_CODES = ("01234", "56789")  # a half's code is drawn from its own digits
 HELDOUT_MOD = 10  # one family in HELDOUT_MOD is held out
 
 QUESTION_PREFIX = "Question: "
@@ -85,6 +94,11 @@ class Family:
         return is_heldout(self.pairs)
 
 
+def key_group(key: str) -> int:
+    """Kind "group": which half of the alphabet (0 or 1) a key belongs to."""
+    return 0 if key in GROUPS[0] else 1
+
+
 def family_canonical(pairs: Iterable[Pair]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(pairs))
 
@@ -99,7 +113,9 @@ def random_family(rng: random.Random, num_shots: int, split: str = "train",
     """Sample a family with `num_shots` distinct keys from the given split.
 
     kind="lookup": every key gets its own random digit.  kind="code": every key of the
-    family gets the same random digit (the family's code).
+    family gets the same random digit (the family's code).  kind="group": two codes, one
+    per half of the alphabet (``GROUPS``), drawn from that half's digits (``GROUP_CODES``);
+    with two or more shots both halves are shown.
     """
     if not 1 <= num_shots <= MAX_SHOTS:
         raise ValueError(f"num_shots must be in [1, {MAX_SHOTS}], got {num_shots}")
@@ -113,6 +129,11 @@ def random_family(rng: random.Random, num_shots: int, split: str = "train",
         if kind == "code":
             code = rng.choice(VALUE_CHARS)
             pairs = tuple((k, code) for k in keys)
+        elif kind == "group":
+            if num_shots >= 2 and len({key_group(k) for k in keys}) < 2:
+                continue
+            codes = (rng.choice(GROUP_CODES[0]), rng.choice(GROUP_CODES[1]))
+            pairs = tuple((k, codes[key_group(k)]) for k in keys)
         else:
             pairs = tuple((k, rng.choice(VALUE_CHARS)) for k in keys)
         if is_heldout(pairs) == want_heldout:
@@ -271,3 +292,19 @@ def prompt_length(num_shots: int) -> int:
     ex = len(format_example("K", "7"))
     tail = len(build_prompt("", "K"))
     return num_shots * ex + num_shots * len(EXAMPLE_SEP) + tail
+
+
+def calibration_records(num_families: int = 4, shots: Sequence[int] = (2, 3, 4, 5, 6), seed: int = 0,
+                        kind: str = DEFAULT_KIND) -> list:
+    """``{"prefix", "suffix"}`` records for ``python -m bicache_sgl.calibrate`` (one jsonl line each):
+    the prefix is what a family's questions share (its few-shot block + ``"\\n\\nQuestion: "``), the
+    suffix one question's key + ``"\\nAnswer:"``; held-out families, family by family (so a record's
+    neighbour, which calibration takes as the cached context's other question, asks another key of
+    the same block)."""
+    out = []
+    for n in shots:
+        for it in heldout_items(num_families * n, n, seed=seed, kind=kind):
+            prefix = it["prefix"] + EXAMPLE_SEP + QUESTION_PREFIX
+            assert (prefix + it["question"] + ANSWER_PREFIX) == it["prompt"]
+            out.append({"prefix": prefix, "suffix": it["question"] + ANSWER_PREFIX})
+    return out
