@@ -114,7 +114,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="vanilla runs only the gsp workloads with r >= this (and the few-shot ones): with no "
                          "caching its cost does not depend on r, and it is by far the slowest configuration")
     ap.add_argument("--block-length", type=int, default=32, help="server --block-length")
-    ap.add_argument("--num-threads", type=int, default=1, help="server --num-threads")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="server --num-threads (default: the server's own default, as a user runs it)")
     ap.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--dtype float32'")
     ap.add_argument("--seed", type=int, default=1, help="bench_serving --seed (same workload for every config)")
     ap.add_argument("--out-dir", default=None, help="default: bench_results/<timestamp>")
@@ -415,7 +416,8 @@ def ensure_profile(args, model_path: str, n_layers: int, out_dir: Path) -> tuple
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [sys.executable, "-m", "bicache_sgl.calibrate", "--model-path", model_path, "--data", str(data),
            "--out", str(prof), "--plot", "none", "--gen-length", str(args.output_len),
-           "--block-length", str(args.block_length), "--num-threads", str(args.num_threads), "--no-progress"]
+           "--block-length", str(args.block_length), "--no-progress",
+           *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
     print("no bicache profile: calibrating one: " + shlex.join(cmd), file=sys.stderr, flush=True)
     p = subprocess.run(cmd, check=False, capture_output=True, text=True)
     (out_dir / "logs" / "calibrate.log").write_text(p.stdout + p.stderr)
@@ -792,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     table = format_table(results)
     title = (f"{Path(model_path).name} ({mc.n_layers} layers, weights {digest0}), N={args.seq_len}, "
              f"out {args.output_len}, block {args.block_length}, {args.gsp_groups}x{args.gsp_per_group} gsp "
-             f"requests, threads {args.num_threads}")
+             f"requests, threads {args.num_threads or 'server default'}")
     plot = None if args.no_plot else make_plot(results, out_dir / "sweep.png", title)
     setup = [
         f"- model: `{model_path}` ({mc.n_layers} layers, weights sha256 {digest0}"
