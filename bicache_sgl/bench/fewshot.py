@@ -33,6 +33,8 @@ timed region. This is what SGLang's ``run_batch`` does for a program's constant 
     python examples/bench_fewshot.py --num-questions 200 --parallel 16
     # one command: start a server, run, stop it
     python examples/bench_fewshot.py --launch --prefix-cache naive --server-args "--num-threads 1"
+    # several modes side by side (one launched server each; agreement = outputs equal to the first mode's)
+    python examples/bench_fewshot.py --launch --prefix-cache off,naive,bicache --server-args "--num-threads 1"
 
 ``python -m bicache_sgl.bench.fewshot`` is the same command (the serving sweep runs it that way).
 

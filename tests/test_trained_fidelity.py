@@ -1,0 +1,58 @@
+"""The shipped context-dependent model (bicache_sgl/assets/context_model, docs/fidelity.md): cheap
+checks of its claims through the serving Engine on a handful of held-out few-shot requests.
+
+Each family's first question runs first and stores the shared prefix (computed in its own context);
+the family's other questions reuse it. Reusing every layer (``naive``) changes answers; ``bicache``
+with the shipped profile (calibrated with the agreement criterion) gives exactly ``off``'s tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ASSET = Path(__file__).resolve().parents[1] / "bicache_sgl" / "assets" / "context_model"
+SHOTS, NUM_QUESTIONS, G = 5, 40, 8  # r ~ 0.8 (the few-shot evaluation's default shape)
+
+pytestmark = pytest.mark.skipif(not (ASSET / "model.safetensors").exists(),
+                                reason="the context-dependent model is not in bicache_sgl/assets/context_model")
+
+
+def test_checkpoint_profile_and_recipe():
+    cfg = json.loads((ASSET / "config.json").read_text())
+    assert cfg["architectures"] == ["LLaDAModelLM"]
+    prof = json.loads((ASSET / "bicache_profile.json").read_text())
+    assert prof["criterion"] == "agreement" and prof["n_layers"] == cfg["n_layers"]
+    assert all(0 <= b < cfg["n_layers"] for _, b in prof["table"])  # never the full depth: naive is unsafe
+    info = json.loads((ASSET / "train_info.json").read_text())
+    assert info["finished"] and "train_context" in info["command"] and info["args"]["task"] == "group"
+
+
+@pytest.fixture(scope="module")
+def results():
+    from bicache_sgl.training import task
+    from bicache_sgl.training.evaluate import make_engine, score_modes
+
+    items = task.heldout_items(NUM_QUESTIONS, SHOTS, seed=0, kind="group")
+    return score_modes(lambda mode: make_engine(str(ASSET), prefix_cache=mode, device="cpu"), items,
+                       ["off", "naive", "bicache"], gen_length=G)
+
+
+def test_off_answers_the_task(results):
+    assert results["off"]["accuracy"] >= 0.9, results["off"]["accuracy"]
+
+
+def test_naive_reuse_breaks_it(results):
+    off, naive = results["off"], results["naive"]
+    assert naive["mean_depth"] > 0 and naive["mean_cached_tokens"] > 0  # the prefix really was reused
+    assert naive["accuracy"] <= off["accuracy"] - 0.10, (naive["accuracy"], off["accuracy"])
+    assert naive["agreement"] < 0.8, naive["agreement"]
+
+
+def test_bicache_with_the_shipped_profile_equals_off(results):
+    bic = results["bicache"]
+    assert bic["mean_cached_tokens"] > 0  # the prefix was matched (reused at the profile's depth)
+    assert bic["output_ids"] == results["off"]["output_ids"]
+    assert bic["accuracy"] == results["off"]["accuracy"]
