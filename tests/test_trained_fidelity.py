@@ -16,10 +16,11 @@ import pytest
 ASSET = Path(__file__).resolve().parents[1] / "bicache_sgl" / "assets" / "context_model"
 SHOTS, NUM_QUESTIONS, G = 5, 40, 8  # r ~ 0.8 (the few-shot evaluation's default shape)
 
-pytestmark = pytest.mark.skipif(not (ASSET / "model.safetensors").exists(),
-                                reason="the context-dependent model is not in bicache_sgl/assets/context_model")
+needs_model = pytest.mark.skipif(not (ASSET / "model.safetensors").exists(),
+                                 reason="the context-dependent model is not in bicache_sgl/assets/context_model")
 
 
+@needs_model
 def test_checkpoint_profile_and_recipe():
     cfg = json.loads((ASSET / "config.json").read_text())
     assert cfg["architectures"] == ["LLaDAModelLM"]
@@ -40,10 +41,12 @@ def results():
                        ["off", "naive", "bicache"], gen_length=G)
 
 
+@needs_model
 def test_off_answers_the_task(results):
     assert results["off"]["accuracy"] >= 0.9, results["off"]["accuracy"]
 
 
+@needs_model
 def test_naive_reuse_breaks_it(results):
     off, naive = results["off"], results["naive"]
     assert naive["mean_depth"] > 0 and naive["mean_cached_tokens"] > 0  # the prefix really was reused
@@ -51,8 +54,27 @@ def test_naive_reuse_breaks_it(results):
     assert naive["agreement"] < 0.8, naive["agreement"]
 
 
+@needs_model
 def test_bicache_with_the_shipped_profile_equals_off(results):
     bic = results["bicache"]
     assert bic["mean_cached_tokens"] > 0  # the prefix was matched (reused at the profile's depth)
     assert bic["output_ids"] == results["off"]["output_ids"]
     assert bic["accuracy"] == results["off"]["accuracy"]
+
+
+def test_fidelity_table_on_the_planted_model(tmp_path):
+    """The fidelity-table pipeline (bicache_sgl.bench.fidelity) on the planted model, whose answer is
+    known: exact up to its safe depth 2, broken beyond it."""
+    from bicache_sgl.bench import fidelity as fb
+    from bicache_sgl.bicache.profile import BicacheProfile
+
+    spec = fb.planted_spec(str(tmp_path / "planted"), calibrate=False)
+    BicacheProfile(((0.0, 0), (10.0, 2)), 6, model="planted").save(spec.profile)
+    rows = fb.fidelity_table([spec], rs=[0.8], fixed=[2, 3], num_questions=6, log=lambda s: None)
+    by = {r["mode"]: r for r in rows}
+    assert by["off"]["acc"] == 1.0 and by["naive"]["acc"] == 0.0 and by["naive"]["agree"] == 0.0
+    assert by["bicache"]["agree"] == by["fixed:2"]["agree"] == 1.0 and by["fixed:3"]["agree"] == 0.0
+    assert by["bicache"]["depth"] == 2 and by["naive"]["depth"] == 6
+    assert by["naive"]["kl_ans"] > 1 and by["fixed:2"]["kl"] < 1e-6 and by["fixed:2"]["top1"] == 1.0
+    assert 0 < by["fixed:2"]["saved"] < by["naive"]["saved"]
+    assert "| planted |" in fb.markdown(rows)
