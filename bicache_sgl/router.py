@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bicache_sgl.runtime import find_free_port, http_json
+from bicache_sgl.runtime import describe_exit, find_free_port, http_json
 from bicache_sgl.server.args import ServerArgs, redact_unknown
 
 logger = logging.getLogger("bicache_sgl.router")
@@ -147,17 +147,6 @@ def _cuda_device_count(device: str) -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # no torch / no driver: CPU workers
         return 0
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 @dataclass

@@ -57,6 +57,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
+from ..runtime import describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ class EngineProcessClient:
             if self.process.sentinel in ready or not self.process.is_alive():
                 self.process.join(1.0)
                 raise RuntimeError(f"the engine process exited while loading the model "
-                                   f"({_describe_exit(self.process.exitcode)})")
+                                   f"({describe_exit(self.process.exitcode, 'exit code unknown')})")
 
     def _setup(self, info: dict[str, Any]) -> None:
         from ..models.loader import load_tokenizer
@@ -547,7 +548,8 @@ class EngineProcessClient:
             self._fail_all("server shutting down", error=False)
             return
         msg = message or (f"the engine process (pid {self.process.pid}) exited unexpectedly "
-                          f"({_describe_exit(exitcode)}); the server cannot generate until it is restarted")
+                          f"({describe_exit(exitcode, 'exit code unknown')}); the server cannot generate until "
+                          "it is restarted")
         log.error("%s", msg)
         self._dead = msg
         self._fail_all(msg, error=True)
@@ -619,14 +621,3 @@ class EngineProcessClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
