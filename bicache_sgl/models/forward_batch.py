@@ -134,7 +134,7 @@ class ForwardBatch:
         logit_rows, logit_indptr = [], [0]
         for s in self.seqs:
             base = offsets[-1]
-            ids.append(s.input_ids[torch.from_numpy(s.positions).to(s.input_ids.device)])
+            ids.append(s.input_ids.index_select(0, torch.from_numpy(s.positions).to(s.input_ids.device)))
             pos.append(s.positions)
             offsets.append(base + len(s.positions))
             depths.append(s.depth)
@@ -177,7 +177,7 @@ class ForwardBatch:
                 new_rows = np.concatenate([skip_rows[i] for i in joined])
                 seg.join_new = torch.from_numpy(np.searchsorted(rows, new_rows)).to(dev)
                 resume = np.concatenate([self.seqs[i].resume_rows for i in joined])
-                seg.join_h = self.store.h[torch.from_numpy(resume).to(dev)]
+                seg.join_h = self.store.h.index_select(0, torch.from_numpy(resume).to(dev))
             self.segments.append(seg)
             prev_rows = rows
         self._merge_captures(n_layers)

@@ -119,9 +119,9 @@ class DiffusionLM(nn.Module):
         that rope(x) = x * cos + roll(x, Dh/2) * sin_signed == x * cos + rotate_half(x) * sin."""
         cos_t, sin_t = self.rope_tables(int(pos.max()) + 1 if pos.numel() else 1, pos.device)
         half = self.cfg.head_dim // 2
-        sin = sin_t[pos]
+        sin = sin_t.index_select(0, pos)
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        return cos_t[pos].unsqueeze(1), sin.unsqueeze(1)
+        return cos_t.index_select(0, pos).unsqueeze(1), sin.unsqueeze(1)
 
     def apply_rope(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [n, heads, Dh] -> rotated x (computed in fp32, returned in x.dtype)."""
@@ -187,22 +187,24 @@ class DiffusionLM(nn.Module):
         seg_iter = iter(fb.segments)
         seg = next(seg_iter)
         next_seg = next(seg_iter, None)
+        # gathers are index_select / index_copy_ on flat indices throughout: on CPU they copy whole
+        # rows, several times faster than advanced indexing
         rows_t = torch.from_numpy(seg.rows).to(fb.device)
-        h = self.embed(fb.row_ids[rows_t])
+        h = self.embed(fb.row_ids.index_select(0, rows_t))
         self.fuse()
-        rope = self.rope_for(fb.row_pos[rows_t])
+        rope = self.rope_for(fb.row_pos.index_select(0, rows_t))
         for li, layer in enumerate(self.layers):
             if next_seg is not None and next_seg.start_layer == li:
                 new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
-                new_h[next_seg.join_into] = h
-                new_h[next_seg.join_new] = next_seg.join_h.to(h.dtype)
+                new_h.index_copy_(0, next_seg.join_into, h)
+                new_h.index_copy_(0, next_seg.join_new, next_seg.join_h.to(h.dtype))
                 h, seg = new_h, next_seg
                 next_seg = next(seg_iter, None)
                 rows_t = torch.from_numpy(seg.rows).to(fb.device)
-                rope = self.rope_for(fb.row_pos[rows_t])
+                rope = self.rope_for(fb.row_pos.index_select(0, rows_t))
             if li in fb.capture_h:  # residual leaving layer li - 1 of captured positions
                 src, dst = fb.capture_h[li]
-                store.h.index_copy_(0, dst, h[src].to(store.h.dtype))
+                store.h.index_copy_(0, dst, h.index_select(0, src).to(store.h.dtype))
             q, k, v = self._qkv(layer, h, rope)
             # one write per layer for every computed row of every sequence
             wr = seg.write_rows[li - seg.start_layer]
@@ -210,15 +212,15 @@ class DiffusionLM(nn.Module):
             store.v.index_copy_(0, wr, v.to(store.v.dtype))
             if li in fb.capture_kv:
                 src, dst = fb.capture_kv[li]
-                store.k.index_copy_(0, dst, k[src].to(store.k.dtype))
-                store.v.index_copy_(0, dst, v[src].to(store.v.dtype))
+                store.k.index_copy_(0, dst, k.index_select(0, src).to(store.k.dtype))
+                store.v.index_copy_(0, dst, v.index_select(0, src).to(store.v.dtype))
             if li == L - 1:
                 # The last layer's outputs matter only where logits are read: every other row
                 # needed just its K/V (written above), so attention/MLP run on logit rows only.
                 if len(fb.logit_rows) == 0:
                     return torch.empty(0, cfg.vocab_size, device=fb.device)
                 sel = torch.from_numpy(np.searchsorted(seg.rows, fb.logit_rows)).to(fb.device)
-                q, h = q[sel], h[sel]
+                q, h = q.index_select(0, sel), h.index_select(0, sel)
                 q_indptr = fb.logit_indptr
                 layout = ("logits",)
             else:
