@@ -22,6 +22,7 @@ from .calibration.data import (
     CACHED_CONTEXTS,
     DEFAULT_CACHED_CONTEXT,
     DEFAULT_FRACTIONS,
+    DEFAULT_PAIR_TOLERANCE,
     DataError,
     Sample,
     first_request_rest,
@@ -76,6 +77,13 @@ def _unit(name: str):
     return f
 
 
+def _percent_points(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < 100:
+        raise argparse.ArgumentTypeError(f"must be percentage points in [0, 100), got {s}")
+    return v
+
+
 def _positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
@@ -128,9 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="minimum token agreement with cache-off (agreement criterion)")
     ap.add_argument("--fractions", type=_parse_fractions, default=",".join(map(str, DEFAULT_FRACTIONS)),
                     help="prefix-fraction buckets in percent, comma-separated")
-    ap.add_argument("--gen-length", type=_positive_int, default=32, help="generation positions (max_new_tokens)")
+    ap.add_argument("--gen-length", type=_positive_int, default=32,
+                    help="generation positions (max_new_tokens); also the largest generation region a "
+                         "prefix/suffix pair may use to reach a low fraction")
     ap.add_argument("--block-length", type=_positive_int, default=32,
                     help="decoding block; the generation region is whole blocks")
+    ap.add_argument("--pair-tolerance", type=_percent_points, default=DEFAULT_PAIR_TOLERANCE,
+                    help="prefix/suffix pairs keep their question whole, so they reach only the fractions "
+                         "|prefix| / (|prefix + suffix| + G) for generation regions G of whole blocks up to "
+                         "--gen-length; a pair is measured at the largest such r within this many percentage "
+                         "points at or below a bucket, and skips a bucket it cannot reach so")
     ap.add_argument("--max-samples", type=_positive_int, default=None, help="use at most this many samples")
     ap.add_argument("--decode-threshold", type=_unit("--decode-threshold"), default=0.9,
                     help="agreement: confidence-threshold decoding (0: fixed one-token-per-step schedule)")
@@ -164,12 +179,31 @@ def _contexts(args: argparse.Namespace, samples, tasks) -> tuple[list, list]:
             ctxs.append(c)
     if not kept:
         raise DataError(f"{args.data}: --cached-context first_request needs, for each measurement, another sample "
-                        "with a different question at least as long as the measured request's (one sample, or "
-                        "all alike, is not enough); add samples or use --cached-context prefix_only")
+                        "with a different question (a pair's whole suffix; for a prompt, at least as many tokens "
+                        "as the measured request has after the prefix); one sample, or all alike, is not enough; "
+                        "add samples or use --cached-context prefix_only")
     if len(kept) < len(tasks):
-        log.warning("first_request: %d of %d measurements skipped (no other sample with a long enough, different "
-                    "question)", len(tasks) - len(kept), len(tasks))
+        log.warning("first_request: %d of %d measurements skipped (no other sample with a different question, "
+                    "long enough for a prompt)", len(tasks) - len(kept), len(tasks))
     return kept, ctxs
+
+
+def _log_pair_placement(samples: Sequence[Sample], fractions: Sequence[float], tasks, tol: float) -> None:
+    """Say where pairs were measured: at the r their whole question allows, at or below a bucket,
+    not at the bucket itself (the JSON keeps each bucket's mean and range of r)."""
+    pairs = {i for i, s in enumerate(samples) if s.kind == "pair"}
+    if not pairs:
+        return
+    placed = [t for t in tasks if t.sample in pairs]
+    off = [fractions[t.bucket] / 100 - t.r for t in placed]
+    msg = (f"pairs keep their question whole and reach r only through the generation region: "
+           f"{len(placed)} of {len(pairs) * len(fractions)} (pair, bucket) measurements planned")
+    if placed:
+        msg += f", each at or below its bucket by {100 * min(off):.1f}-{100 * max(off):.1f} points"
+    msg += f" (--pair-tolerance {tol:g})"
+    if len(placed) < len(pairs) * len(fractions):
+        msg += "; the others are out of reach without cutting the question and are skipped"
+    log.info("%s", msg)
 
 
 def calibrate(args: argparse.Namespace) -> dict:
@@ -191,19 +225,24 @@ def calibrate(args: argparse.Namespace) -> dict:
     mcfg = load_model_config(model_path)
     L = mcfg.n_layers
     fractions = list(args.fractions)
-    tasks = plan_tasks(samples, fractions, gen_candidates(args.gen_length, args.block_length),
-                       mcfg.max_position_embeddings)
+    gens = gen_candidates(args.gen_length, args.block_length)
+    tasks = plan_tasks(samples, fractions, gens, mcfg.max_position_embeddings, args.pair_tolerance)
     if not tasks:
         raise DataError(f"{args.data}: no sample reaches any prefix fraction in {fractions} with "
-                        f"--gen-length {args.gen_length} (prompts too short, or pairs whose suffix is too short "
-                        "or too long for the buckets)")
+                        f"--gen-length {args.gen_length} (prompts too short; or pairs, whose question is kept "
+                        f"whole: they reach r = |prefix| / (|prefix + suffix| + G) only for generation regions "
+                        f"G = {gens[-1]}..{gens[0]} and r within --pair-tolerance {args.pair_tolerance:g} points "
+                        "at or below a bucket; raise --gen-length for lower fractions, lower --block-length for "
+                        "a finer grid)")
+    _log_pair_placement(samples, fractions, tasks, args.pair_tolerance)
     tasks, contexts = _contexts(args, samples, tasks)
 
     engine = None
     if args.criterion == "agreement":
         from .engine.engine import Engine
-        # the pool only ever holds one S (flushed between measurements) plus one request's tail
-        cap = max(t.prompt_len for t in tasks) + 1
+        # the pool only ever holds one S (flushed between measurements) plus one request's tail: the
+        # measured one's or the first request's, whose (whole) question may be the longer
+        cap = max(max(t.prompt_len, t.s_len + len(c or ())) for t, c in zip(tasks, contexts)) + 1
         engine = Engine(model_path, prefix_cache="naive", device=args.device, dtype=args.dtype,
                         max_running_requests=L + 1, max_prefix_cache_tokens=cap, bicache_profile="none",
                         block_length=args.block_length, threshold=args.decode_threshold or None,
@@ -265,6 +304,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     prof = BicacheProfile(table=tuple(safe_table(fractions, raw)), n_layers=L,
                           model=_model_name(args.model_path, model_path), criterion=args.criterion, threshold=thr)
     counts = [len(x) for x in per_k]
+    r_range = [[round(min(x), 6), round(max(x), 6)] if x else None for x in per_r]
     missing = [f"{fractions[i]:g}" for i in range(nb) if counts[i] == 0]
     if missing:
         log.warning("no sample reached prefix fraction(s) %s%%; the table has no entry there (lookup falls back "
@@ -281,6 +321,8 @@ def calibrate(args: argparse.Namespace) -> dict:
         "fractions": fractions,
         "samples_per_fraction": counts,
         "mean_prefix_fraction": [round(sum(x) / len(x), 6) if x else None for x in per_r],
+        "prefix_fraction_range": r_range,
+        "pair_tolerance": args.pair_tolerance,
         "depth_raw": raw,
         "similarity": [rnd(r) for r in sim],
         "similarity_k": [rnd(r) for r in sim_k],

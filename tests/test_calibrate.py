@@ -46,9 +46,12 @@ def prompts_file(tmp_path):
 
 @pytest.fixture()
 def pairs_file(tmp_path):
+    """A long shared prefix and a short question, as few-shot traffic has: with the question whole,
+    the fractions are reached through the generation region (up to --gen-length)."""
     rng = random.Random(1)
     p = tmp_path / "pairs.jsonl"
-    p.write_text("".join(json.dumps({"prefix": _text(rng, 12), "suffix": _text(rng, 12)}) + "\n" for _ in range(2)))
+    p.write_text("".join(json.dumps({"prefix": _text(rng, 12), "suffix": " " + _text(rng, 2) + "?"}) + "\n"
+                         for _ in range(2)))
     return p
 
 
@@ -152,18 +155,32 @@ def test_first_request_rest_planning():
     same = [Sample(1, "prompt", [5, 6, 7, 8]), Sample(2, "prompt", [9, 6, 7, 8])]
     assert data.first_request_rest(same, Task(0, 0, 1, 4, 8)) is None  # the only other question is the same
     assert data.first_request_rest(pr[:1], Task(0, 0, 10, 30, 8)) is None  # no other sample
+    # pairs: the other pair's WHOLE question, whatever its length (a cut question is no request)
     pairs = [Sample(1, "pair", list(range(30)), prefix_len=10), Sample(2, "pair", list(range(100, 125)), prefix_len=5)]
-    # a pair contributes the start of its suffix, as the planner uses a pair's own suffix
-    assert data.first_request_rest(pairs, Task(0, 0, 10, 22, 8)) == list(range(105, 117))
+    assert data.first_request_rest(pairs, Task(0, 0, 10, 30, 8)) == list(range(105, 125))
     assert data.first_request_rest(pairs, Task(1, 0, 5, 25, 8)) == list(range(10, 30))
+    # among diverging questions, the one nearest in length to the target's (about the same r)
+    qs = [Sample(i + 1, "pair", [1, 2, 3, *q], prefix_len=3)
+          for i, q in enumerate([[40, 41, 42], [50], [60, 61, 62, 63], [70, 71]])]
+    assert data.first_request_rest(qs, Task(0, 0, 3, 6, 8)) == [60, 61, 62, 63]  # 4 tokens (2: 1, 4: 2) for 3
+    qs[2] = Sample(3, "pair", [1, 2, 3, 40, 61, 62], prefix_len=3)  # same first token: only a fallback now
+    assert data.first_request_rest(qs, Task(0, 0, 3, 6, 8)) == [70, 71]
 
 
 def test_agreement_on_pairs(tiny_dream, pairs_file, tmp_path):
+    from bicache_sgl.models.loader import load_tokenizer
+    tok = load_tokenizer(tiny_dream)
+    reachable = set()
+    for line in pairs_file.read_text().splitlines():
+        rec = json.loads(line)
+        p = data.common_prefix_len(tok.encode(rec["prefix"]), tok.encode(rec["prefix"] + rec["suffix"]))
+        n = len(tok.encode(rec["prefix"] + rec["suffix"]))
+        reachable |= {round(p / (n + g), 6) for g in range(8, 65, 8)}
     for ctx in ("first_request", "prefix_only"):
         out, png = tmp_path / f"{ctx}.json", tmp_path / f"{ctx}.png"
         rc = cli.main(["--model-path", tiny_dream, "--data", str(pairs_file), "--out", str(out), "--plot", str(png),
                        "--criterion", "agreement", "--agreement", "0.5", "--fractions", "50,70",
-                       "--gen-length", "8", "--block-length", "8", "--no-progress", "--cached-context", ctx])
+                       "--gen-length", "64", "--block-length", "8", "--no-progress", "--cached-context", ctx])
         assert rc == 0
         prof, d = _check_outputs(out, png, 4)
         assert prof.criterion == "agreement" and prof.threshold == 0.5 and d["cached_context"] == ctx
@@ -174,8 +191,13 @@ def test_agreement_on_pairs(tiny_dream, pairs_file, tmp_path):
             assert raw == measure.depth_from_agreement(agr, 0.5)
             assert all(a >= 0.5 for a in agr[:raw + 1])  # every depth up to b passes
             assert sim[0] == 1.0
-        # pairs: S is the prefix; the requested fraction is reached by the suffix length
-        assert all(abs(m - r / 100) < 0.02 for m, r in zip(d["mean_prefix_fraction"], d["fractions"]))
+        # pairs: S is the prefix and the question stays whole, so each r measured is
+        # |prefix| / (|prefix + suffix| + G) for a region G of whole blocks up to --gen-length,
+        # at or below its bucket (within --pair-tolerance)
+        assert d["pair_tolerance"] == 5.0
+        for (lo, hi), m, r in zip(d["prefix_fraction_range"], d["mean_prefix_fraction"], d["fractions"]):
+            assert r / 100 - 0.05 <= lo <= m <= hi <= r / 100
+            assert {round(lo, 6), round(hi, 6)} <= reachable
         for r in d["fractions"]:
             assert prof.lookup(r / 100) == _safe_at(d, r)
 
@@ -263,12 +285,19 @@ def test_decision_rules_and_planning():
     assert data.plan_task(prompt, 0, 0, 90, [32], 4096) is None  # S would leave the prompt
     assert data.plan_task(prompt, 0, 0, 90, [32], 120) is None  # longer than the context
 
-    pair = Sample(1, "pair", list(range(100)), prefix_len=40)
-    t = data.plan_task(pair, 0, 0, 50, [16, 8], 4096)
-    assert (t.s_len, t.prompt_len, t.gen_len) == (40, 64, 16)
-    t = data.plan_task(pair, 0, 0, 80, [16, 8], 4096)  # needs a smaller generation region
-    assert (t.s_len, t.prompt_len, t.gen_len) == (40, 42, 8)
-    assert data.plan_task(pair, 0, 0, 20, [16, 8], 4096) is None  # suffix too short to reach 20%
+    # a pair: |S| = 40 of a 50-token prompt, whole; r = 40 / (50 + G) for G = 64, 56, ..., 8
+    pair = Sample(1, "pair", list(range(50)), prefix_len=40)
+    gens = data.gen_candidates(64, 8)
+    t = data.plan_task(pair, 0, 0, 50, gens, 4096)
+    assert (t.s_len, t.prompt_len, t.gen_len) == (40, 50, 32) and t.r == 40 / 82  # the largest r <= 50 %
+    t = data.plan_task(pair, 0, 0, 70, gens, 4096)
+    assert (t.s_len, t.prompt_len, t.gen_len) == (40, 50, 8)
+    # 60 %: G = 16 gives 60.6 % (above the bucket), G = 24 gives 54.1 % (more than 5 points below)
+    assert data.plan_task(pair, 0, 0, 60, gens, 4096) is None
+    assert data.plan_task(pair, 0, 0, 60, gens, 4096, tolerance_pct=6).gen_len == 24
+    assert data.plan_task(pair, 0, 0, 80, gens, 4096) is None  # even one block puts r at 69 %
+    assert data.plan_task(pair, 0, 0, 30, gens, 4096) is None  # 64 positions only reach 35 %
+    assert data.plan_task(pair, 0, 0, 50, gens, 80) is None  # the only fitting regions give r > 50 %
 
 
 def test_agreement_requires_every_smaller_depth():
@@ -312,3 +341,70 @@ def test_kv_cosine_profile_helper(tiny_llada):
         assert all(row[0] == 1.0 for row in sims) and prof.extra["cached_context"] == ctx
         raw = [measure.depth_from_similarity(row, 0.97) for row in sims]
         assert prof.lookup(0.5) == min(raw[1:])
+
+
+# ------------------------------------------------------------------ pairs keep their question whole
+CONTEXT_MODEL = PKG / "assets" / "context_model"
+needs_context_model = pytest.mark.skipif(not (CONTEXT_MODEL / "model.safetensors").is_file(),
+                                         reason="bicache_sgl/assets/context_model is not there")
+
+
+def _context_pairs(n_families=2):
+    """The context model's own calibration records: a family's few-shot block + "Question: " as the
+    prefix, one key + "\\nAnswer:" as the suffix. Cut after a few tokens, such a question gets no
+    answer at any depth, with or without reuse (docs/fidelity.md), so every depth would agree."""
+    from bicache_sgl.training import task
+    return task.calibration_records(n_families, (2, 3, 4, 5, 6), kind="group")
+
+
+@needs_context_model
+def test_planned_pairs_keep_the_whole_question():
+    """Regression: the planner reached a fraction by cutting the suffix, so the measured requests
+    asked cut questions. Every planned pair must be its whole prompt, S its whole prefix, and the
+    first request's question another record's whole question."""
+    from bicache_sgl.models.loader import load_tokenizer
+    tok = load_tokenizer(str(CONTEXT_MODEL))
+    recs = _context_pairs()
+    samples = data.tokenize([data.Record(i + 1, "pair", prefix=r["prefix"], suffix=r["suffix"])
+                             for i, r in enumerate(recs)], tok.encode, None)
+    assert len(samples) == len(recs)
+    questions = [s.ids[s.prefix_len:] for s in samples]
+    gens = data.gen_candidates(320, 32)
+    fractions = list(data.DEFAULT_FRACTIONS)
+    tasks = data.plan_tasks(samples, fractions, gens, 1024)
+    for t in tasks:
+        s, rec = samples[t.sample], recs[t.sample]
+        full = tok.encode(rec["prefix"] + rec["suffix"])
+        assert t.prompt_len == len(s.ids) == len(full) and t.s_len == s.prefix_len
+        assert s.ids[t.s_len:t.prompt_len] == full[s.prefix_len:] == questions[t.sample]  # the whole question
+        assert tok.decode(s.ids[t.s_len:t.prompt_len]).endswith("\nAnswer:")
+        assert t.gen_len in gens and fractions[t.bucket] / 100 - 0.05 <= t.r <= fractions[t.bucket] / 100
+        ctx = data.first_request_rest(samples, t)
+        assert ctx in questions and ctx != questions[t.sample]  # another record's whole question
+    planned = {fractions[t.bucket] for t in tasks}
+    assert {30, 40, 50, 60, 70, 80} <= planned  # 320 positions of region reach these
+    # 90 % needs r = |prefix| / (|prompt| + G) >= 0.85 with G >= 32: no record of <= 6 shots gets
+    # there whole, so the bucket is skipped (it used to be measured on a question cut to nothing)
+    assert 90 not in planned
+
+
+@needs_context_model
+def test_agreement_sees_the_context_model_failure(tmp_path):
+    """Regression: on the trained context model, reuse beyond depth 1 changes the answer (the
+    shipped profile is [[0, 0], [20, 1]], measured end to end), but calibration on cut questions
+    claimed depth 8. With whole questions it finds depth <= 1 and sees depth L disagree."""
+    f = tmp_path / "context_pairs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in _context_pairs()))
+    out = tmp_path / "profile.json"
+    # 18 samples: the 2-4-shot records; at r = 50 % the 4-shot ones are measured (G = 96, r = 0.493)
+    assert cli.main(["--model-path", str(CONTEXT_MODEL), "--data", str(f), "--out", str(out), "--plot", "none",
+                     "--criterion", "agreement", "--fractions", "50", "--gen-length", "320", "--block-length", "32",
+                     "--max-samples", "18", "--no-progress"]) == 0
+    d = json.loads(out.read_text())
+    prof = BicacheProfile.load(out)
+    assert d["samples_per_fraction"][0] >= 4 and 0.45 <= d["mean_prefix_fraction"][0] <= 0.5
+    agr = d["agreement"][0]
+    assert agr[-1] < 0.9, agr  # reuse at every layer (naive) changes answers: measured, not missed
+    assert d["depth_raw"] == [measure.depth_from_agreement(agr, 0.9)] and d["depth_raw"][0] <= 1
+    shipped = BicacheProfile.load(CONTEXT_MODEL / "bicache_profile.json")
+    assert prof.lookup(0.5) <= 1 and prof.lookup(0.5) <= shipped.lookup(0.5)

@@ -238,13 +238,22 @@ def test_bicache_with_a_profile_at_most_k_equals_off(planted, off_outputs, tmp_p
 
 
 # ------------------------------------------------------------------------------- calibration
+FRACTIONS = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]
+CAL_GEN = 4  # the calibration's generation region (--gen-length, one block)
+
+
 def _calibration_data(path: Path) -> str:
-    """prefix/suffix pairs: one shared prefix without digits; each suffix starts with its own digit
-    (so any cut of it keeps the question) and is long enough to reach r = 10%."""
+    """prefix/suffix pairs: one shared prefix without digits; per bucket, two questions (digits 3
+    and 7) whose length puts the whole request (calibration keeps a question whole and adds only the
+    generation region) at that bucket's r: |prefix| / (|prefix + suffix| + CAL_GEN) = 60 / N with
+    N = ceil(60 / r), i.e. at r or just below (the byte tokenizer: one token per character)."""
     filler = " is the question: tell me which digit it is, please, in as few characters as you can" * 7
+    prefix = PREFIX[:60]
     with path.open("w") as f:
-        for d in "37":
-            f.write(json.dumps({"prefix": PREFIX[:60], "suffix": d + filler}) + "\n")
+        for r in FRACTIONS:
+            n = math.ceil(len(prefix) / (r / 100) - 1e-9)
+            for d in "37":
+                f.write(json.dumps({"prefix": prefix, "suffix": d + filler[:n - CAL_GEN - len(prefix) - 1]}) + "\n")
     return str(path)
 
 
@@ -252,15 +261,13 @@ def _calibrate(planted, tmp_path, *args) -> dict:
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "bicache_sgl.calibrate", "--model-path", planted,
            "--data", _calibration_data(tmp_path / "data.jsonl"), "--out", str(out), "--plot", "none",
-           "--gen-length", "4", "--block-length", "4", "--device", "cpu", "--num-threads", "1", "--no-progress",
+           "--gen-length", str(CAL_GEN), "--block-length", str(CAL_GEN), "--device", "cpu", "--num-threads", "1",
+           "--no-progress",
            *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return json.loads(out.read_text())
-
-
-FRACTIONS = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]
 
 
 @pytest.mark.parametrize("criterion", ["kv-cosine", "agreement"])

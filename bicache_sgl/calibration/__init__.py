@@ -3,8 +3,10 @@
     python -m bicache_sgl.calibrate --model-path M --data prompts.jsonl --out bicache_profile.json
 
 For every sample and every prefix-fraction bucket r, the sequence is ``prompt tokens + G'
-generation positions`` (all MASK) and the shared prefix S is its first r * N tokens. Two states
-of S are compared layer by layer:
+generation positions`` (all MASK). For a prompt, the shared prefix S is its first r * N tokens; a
+prefix/suffix pair keeps S = its prefix and its question whole, and reaches r (at or just below the
+bucket) through G' alone, never by cutting the question (``data.plan_task``). Two states of S are
+compared layer by layer:
 
 - cached (``--cached-context``): ``first_request`` (default) = S inside another request's own
   forward (S + a different question of the data set + its MASK region), which is what the runtime
@@ -32,6 +34,7 @@ from .data import (
                    CACHED_CONTEXTS,
                    DEFAULT_CACHED_CONTEXT,
                    DEFAULT_FRACTIONS,
+                   DEFAULT_PAIR_TOLERANCE,
                    DataError,
                    Record,
                    Sample,
@@ -56,8 +59,8 @@ from .measure import (
 )
 
 __all__ = [
-    "CACHED_CONTEXTS", "DEFAULT_CACHED_CONTEXT", "DEFAULT_FRACTIONS", "DEPTH_RULES", "AgreementMeter", "DataError",
-    "Record", "Sample", "SimilarityMeter", "Task", "depth_from_agreement", "depth_from_similarity",
-    "first_request_rest", "gen_candidates", "kv_cosine_profile", "plan_task", "plan_tasks", "read_data",
-    "safe_table", "token_agreement", "token_cosine", "tokenize",
+    "CACHED_CONTEXTS", "DEFAULT_CACHED_CONTEXT", "DEFAULT_FRACTIONS", "DEFAULT_PAIR_TOLERANCE", "DEPTH_RULES",
+    "AgreementMeter", "DataError", "Record", "Sample", "SimilarityMeter", "Task", "depth_from_agreement",
+    "depth_from_similarity", "first_request_rest", "gen_candidates", "kv_cosine_profile", "plan_task", "plan_tasks",
+    "read_data", "safe_table", "token_agreement", "token_cosine", "tokenize",
 ]

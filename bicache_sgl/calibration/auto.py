@@ -58,7 +58,8 @@ from .synth import synthesize
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "BICACHE_SGL_CACHE"  # cache root; default ~/.cache/bicache_sgl
-VERSION = 1  # part of the cache key: bump when what is measured changes
+# part of the cache key: bump when what is measured changes (2: pairs keep their question whole)
+VERSION = 2
 MIN_AGREEMENT = 0.9
 GEN_LENGTH = 32
 PROMPTS_PER_GROUP = 6  # synthesised prompts of each shape
@@ -283,8 +284,9 @@ class AutoCalibration:
 
     def _calibration_engine(self, items: Sequence[_Item]):
         L = self.n_layers
-        longest_prompt = max(it.task.prompt_len for it in items)
-        longest_seq = max(it.task.seq_len for it in items)
+        # the first request's whole question may be longer than the measured request's rest
+        longest_prompt = max(max(it.task.prompt_len, it.task.s_len + len(it.context)) for it in items)
+        longest_seq = max(max(it.task.seq_len, it.task.s_len + len(it.context) + it.task.gen_len) for it in items)
         if self.loaded.device.type == "cuda":
             import torch
             free, _ = torch.cuda.mem_get_info(self.loaded.device)

@@ -22,6 +22,10 @@ DEFAULT_FRACTIONS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
 #   prefix_only:   S alone through the model: what an explicit cache_prefix request stores.
 CACHED_CONTEXTS = ("first_request", "prefix_only")
 DEFAULT_CACHED_CONTEXT = "first_request"
+# Pairs keep their question whole, so the fractions they reach are discrete (one per generation
+# region); a pair is measured at the largest reachable r within this many percentage points at or
+# below a bucket (half the spacing of DEFAULT_FRACTIONS), else that bucket skips it.
+DEFAULT_PAIR_TOLERANCE = 5.0
 
 
 class DataError(ValueError):
@@ -145,67 +149,88 @@ def gen_candidates(gen_length: int, block_length: int) -> list[int]:
     return list(range(g, 0, -block_length))
 
 
-def plan_task(sample: Sample, si: int, bi: int, r_pct: float, gens: Sequence[int], max_len: int) -> Task | None:
-    """The sequence that puts this sample at prefix fraction r, or None if it cannot."""
+def plan_task(sample: Sample, si: int, bi: int, r_pct: float, gens: Sequence[int], max_len: int,
+              tolerance_pct: float = DEFAULT_PAIR_TOLERANCE) -> Task | None:
+    """The sequence that puts this sample at prefix fraction r, or None if it cannot.
+
+    A prompt is always whole: S is cut inside it, as exactly at r as rounding allows.
+
+    A pair is always whole too, its question (suffix) included: a cut question is not a request
+    anyone sends, and a model answers nothing meaningful to it at any depth, so every depth would
+    "agree" with cache-off and the bucket would claim the deepest depth. Its S is fixed (the
+    prefix), so the only free quantity is the generation region G (whole blocks, ``gens``):
+    r = |prefix| / (|prefix + suffix| + G) takes a few discrete values. The pair is measured at the
+    largest of them in [r - tolerance, r]: never above the bucket, since the table's entry at r
+    serves every r' >= r and the table assumes the safe depth does not fall as r grows, so a
+    measurement just below r is the conservative one. None if no region lands there (the bucket is
+    skipped for this pair rather than measured on a cut question)."""
     r = r_pct / 100.0
-    for g in gens:
-        if sample.kind == "prompt":
-            P = len(sample.ids)
+    if sample.kind == "prompt":
+        P = len(sample.ids)
+        for g in gens:
             s = round(r * (P + g))
             # S stays inside the prompt and leaves its last token (always recomputed by the runtime)
             if 1 <= s <= P - 1 and P + g <= max_len:
                 return Task(si, bi, s, P, g)
-        else:
-            p = sample.prefix_len
-            prompt_len = round(p / r) - g
-            if p + 1 <= prompt_len <= len(sample.ids) and prompt_len + g <= max_len:
-                return Task(si, bi, p, prompt_len, g)
-    return None
+        return None
+    p, P = sample.prefix_len, len(sample.ids)
+    lo = r - tolerance_pct / 100.0
+    best: Task | None = None
+    for g in gens:
+        if P + g > max_len:
+            continue
+        t = Task(si, bi, p, P, g)
+        if lo - 1e-12 <= t.r <= r + 1e-12 and (best is None or t.r > best.r):
+            best = t
+    return best
 
 
 def plan_tasks(samples: Sequence[Sample], fractions: Sequence[float], gens: Sequence[int],
-               max_len: int) -> list[Task]:
+               max_len: int, tolerance_pct: float = DEFAULT_PAIR_TOLERANCE) -> list[Task]:
     """Every (sample, bucket) that can be measured, sample by sample."""
     out = []
     for si, s in enumerate(samples):
         for bi, r in enumerate(fractions):
-            t = plan_task(s, si, bi, r, gens, max_len)
+            t = plan_task(s, si, bi, r, gens, max_len, tolerance_pct)
             if t is not None:
                 out.append(t)
     return out
 
 
-def _question_of(sample: Sample, n: int) -> list[int] | None:
-    """``n`` tokens of ``sample`` that play the part of "the rest of a prompt after S", taken the
-    way the planner takes them from the sample itself: a prompt's last n tokens (its question end),
-    a pair's first n suffix tokens. None if the sample is too short."""
-    if sample.kind == "prompt":
-        return list(sample.ids[-n:]) if len(sample.ids) >= n else None
-    p = sample.prefix_len
-    return list(sample.ids[p:p + n]) if len(sample.ids) - p >= n else None
+def _rest_of(cand: Sample, target: Sample, n: int) -> list[int] | None:
+    """What ``cand`` contributes as "the prompt after S" of the first request, for a target whose
+    own rest is ``n`` tokens. Pair after pair: the candidate's whole question (its suffix), never a
+    cut one, whatever its length. Otherwise the candidate's last ``n`` tokens (its question end,
+    whole when it is no longer than ``n``); None if it is shorter than that."""
+    if target.kind == "pair" and cand.kind == "pair":
+        return list(cand.ids[cand.prefix_len:])
+    return list(cand.ids[-n:]) if len(cand.ids) >= n else None
 
 
 def first_request_rest(samples: Sequence[Sample], task: Task) -> list[int] | None:
     """The prompt tokens after S of the *first* request that computed S, for the ``first_request``
-    cached context: as many tokens as the target request has after S (so that request's sequence
-    has the same length and the same r), taken from another sample of the data set, the next one
-    (cyclically) that is long enough and differs from the target's own rest.
+    cached context: another sample's question (``_rest_of``), chosen in this order:
 
-    Preferred: a rest whose first token differs from the target's, since a request that reuses
-    exactly S from a node is one whose prompt leaves the node's first request right after S (had
-    they shared more, it would match more). Without such a sample, the first differing one (the two
-    questions then share a few leading tokens, which the runtime would reuse too). None if no
-    other sample fits."""
+    1. its first token differs from the target's rest: a request that reuses exactly S from a node
+       is one whose prompt leaves the node's first request right after S (had they shared more, it
+       would match more). Without such a sample, one that differs at all (the runtime then reuses
+       the leading tokens the two questions share, and the meter expects that);
+    2. its length is the nearest to the target's rest, so the first request's sequence (the same
+       generation region) has about the target's length and r. Prompts always match it exactly;
+       a pair's question is taken whole, so pairs with questions of other lengths differ by that;
+    3. the next sample cyclically after the target.
+
+    None if no other sample gives a rest that differs from the target's own."""
+    target = samples[task.sample]
     n = task.prompt_len - task.s_len
-    own = samples[task.sample].ids[task.s_len:task.prompt_len]
+    own = list(target.ids[task.s_len:task.prompt_len])
     k = len(samples)
-    fallback = None
+    best, best_key = None, None
     for j in range(1, k):
-        cand = _question_of(samples[(task.sample + j) % k], n)
-        if cand is None or cand == own:
+        cand = _rest_of(samples[(task.sample + j) % k], target, n)
+        if not cand or cand == own:
             continue
-        if cand[0] != own[0]:
-            return cand
-        if fallback is None:
-            fallback = cand
-    return fallback
+        key = (cand[0] == own[0], abs(len(cand) - n), j)
+        if best_key is None or key < best_key:
+            best, best_key = cand, key
+    return best

@@ -26,6 +26,7 @@ from ..bicache.profile import BicacheProfile
 from .data import (
     DEFAULT_CACHED_CONTEXT,
     DEFAULT_FRACTIONS,
+    DEFAULT_PAIR_TOLERANCE,
     Sample,
     Task,
     common_prefix_len,
@@ -209,13 +210,15 @@ def mean_rows(rows: list[list[float]]) -> list[float] | None:
 def kv_cosine_profile(model, model_config, samples: Sequence[Sample], *, fractions: Sequence[float] = DEFAULT_FRACTIONS,
                       gen_length: int = 32, block_length: int = 32, threshold: float = 0.97,
                       depth_rule: str = "resume", model_name: str = "",
-                      cached_context: str = DEFAULT_CACHED_CONTEXT):
+                      cached_context: str = DEFAULT_CACHED_CONTEXT, pair_tolerance: float = DEFAULT_PAIR_TOLERANCE):
     """The kv-cosine profile of already tokenized samples (for scripts that build their own
-    workload, e.g. examples/bench_prefix.py). Returns (BicacheProfile, per-bucket similarity)."""
+    workload, e.g. examples/bench_prefix.py). Pairs are placed as ``data.plan_task`` says (whole
+    question, r at or below the bucket within ``pair_tolerance`` points). Returns (BicacheProfile,
+    per-bucket similarity)."""
     device = next(model.parameters()).device
     meter = SimilarityMeter(model, model_config.mask_token_id, device)
     tasks = plan_tasks(samples, fractions, gen_candidates(gen_length, block_length),
-                       model_config.max_position_embeddings)
+                       model_config.max_position_embeddings, pair_tolerance)
     rows: list[list[list[float]]] = [[] for _ in fractions]
     skipped = 0
     for t in tasks:
@@ -228,8 +231,9 @@ def kv_cosine_profile(model, model_config, samples: Sequence[Sample], *, fractio
         sk, sv, _ = meter.measure(samples[t.sample], t, ctx)
         rows[t.bucket].append([(a + b) / 2 for a, b in zip(sk, sv)])
     if skipped:
-        log.warning("first_request: %d of %d measurements skipped (no other sample with a long enough, different "
-                    "question); their buckets fall back to the next lower fraction", skipped, len(tasks))
+        log.warning("first_request: %d of %d measurements skipped (no other sample with a different question, "
+                    "long enough for a prompt); their buckets fall back to the next lower fraction", skipped,
+                    len(tasks))
     sims = [mean_rows(x) for x in rows]
     raw = [None if sim is None else depth_from_similarity(sim, threshold, depth_rule) for sim in sims]
     prof = BicacheProfile(table=tuple(safe_table(fractions, raw)), n_layers=model_config.n_layers,
