@@ -24,6 +24,9 @@ ALGORITHMS = LLADA_ALGORITHMS + DREAM_ALGORITHMS
 _ALGORITHM_ALIASES = {"lowconfidence": "low_confidence"}
 DEFAULT_EPS = 1e-3  # Dream's diffusion_generate default
 CACHE_MODES = ("none", "prefix", "dual")
+# rows a dual-cache block step computes: the whole block (Fast-dLLM), or only the positions still
+# masked plus those unmasked by the previous forward (docs/performance.md, "Fewer rows per step")
+STEP_ROWS = ("block", "active")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 _FIXED_RE = re.compile(r"^fixed:(\d+)$")
@@ -144,6 +147,7 @@ class SamplingParams:
     cfg_scale: float = 0.0
     cache_mode: str | None = None  # in-request cache: none | prefix | dual
     refresh_interval: int | None = None  # steps between in-request cache refreshes (0 = block start only)
+    step_rows: str | None = None  # dual cache: "block" (every block position) or "active" (STEP_ROWS)
     # logit processing over the masked positions' distributions (definitions: docs/server.md)
     frequency_penalty: float = 0.0  # minus penalty x count of the token among unmasked output tokens
     presence_penalty: float = 0.0  # minus penalty if the token is among unmasked output tokens
@@ -197,6 +201,8 @@ class SamplingParams:
         if self.refresh_interval is not None:
             _check(isinstance(self.refresh_interval, int) and self.refresh_interval >= 0,
                    f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
+        if self.step_rows is not None:
+            _check(self.step_rows in STEP_ROWS, f"step_rows must be one of {STEP_ROWS}, got {self.step_rows!r}")
         for k in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, k)
             _check(_is_num(v) and -2 <= v <= 2, f"{k} must be in [-2, 2], got {v!r}")
@@ -332,6 +338,7 @@ class DecodeDefaults:
     remasking: str = "low_confidence"  # the built-in algorithm, below the model's generation_config
     cache_mode: str = "dual"
     refresh_interval: int = 0
+    step_rows: str = "block"
     # --dllm-algorithm, --dllm-eps, --dllm-alg-temp: None = the model's generation_config.json
     # value, else the built-in (``remasking``, DEFAULT_EPS, 0)
     algorithm: str | None = None
@@ -349,6 +356,9 @@ class DecodeDefaults:
         _check_alg_temp(self.alg_temp, "alg_temp")
         _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}")
         _check(self.refresh_interval >= 0, "refresh_interval must be >= 0")
+        _check(self.step_rows in STEP_ROWS, f"step_rows must be one of {STEP_ROWS}, got {self.step_rows!r}")
+        _check(self.step_rows == "block" or self.cache_mode == "dual",
+               f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,15 @@ Tasks (default auto: fewshot when the bundled model is installed and no --model-
 
 bicache needs a profile: --profile FILE, else bicache_profile.json beside the model, else one is
 calibrated on the spot (kv-cosine on this workload's own prompts, printed with the results).
-``fixed:N`` modes can be listed too (--modes off,bicache,naive,fixed:4).
+``fixed:N`` modes can be listed too (--modes off,bicache,naive,fixed:4). A mode may end in ``+active``
+(e.g. ``bicache+active``): the same with ``step_rows: active`` (a dual-cache block step computes only
+the still-masked positions and those the previous forward unmasked; the plain modes compute the whole
+block), so speed and agreement with ``off`` show side by side.
 
     python examples/bench_prefix.py                      # fewshot on the bundled model (else random)
     python examples/bench_prefix.py --task random        # random-weight model, accuracy n/a
     python examples/bench_prefix.py --modes off,bicache,naive,fixed:2 --cache-prefix
+    python examples/bench_prefix.py --modes off,off+active,bicache,bicache+active
 """
 
 from __future__ import annotations
@@ -147,11 +151,19 @@ def _delta_rate(st, base):
     return round(hits) / n if n else 0.0
 
 
-def run_mode(mode, model_path, reqs, prefixes, args, profile_path):
+def split_mode(label: str) -> tuple[str, str]:
+    """``bicache+active`` -> (prefix-cache mode, step_rows)."""
+    mode, plus, rows = label.partition("+")
+    return mode, rows if plus else "block"
+
+
+def run_mode(label, model_path, reqs, prefixes, args, profile_path):
     """One timed run of the whole workload through a fresh Engine."""
     from bicache_sgl import Engine
+    mode, step_rows = split_mode(label)
     eng = Engine(model_path, prefix_cache=mode, bicache_profile=profile_path if mode == "bicache" else None,
                  block_length=args.block_length, threshold=args.threshold or None, cache_mode=args.cache_mode,
+                 step_rows=step_rows,
                  max_running_requests=args.max_running_requests, num_threads=args.threads,
                  device=args.device, dtype=args.dtype, random_seed=args.seed,
                  **({} if args.audit_rate is None else {"bicache_audit_rate": args.audit_rate}))
@@ -175,7 +187,8 @@ def run_mode(mode, model_path, reqs, prefixes, args, profile_path):
     metas = [o["meta_info"] for o in outs]
     hits = [m for m in metas if m["cached_tokens"] > 0]
     return {
-        "mode": mode, "seconds": dt, "cpu_seconds": cpu, "out_tokens": sum(len(o["output_ids"]) for o in outs),
+        "mode": label, "computed": computed, "seconds": dt, "cpu_seconds": cpu,
+        "out_tokens": sum(len(o["output_ids"]) for o in outs),
         "saved": skipped / (skipped + computed) if skipped + computed else 0.0,
         "hit_rate": _delta_rate(st, base),
         "depth": sum(m["bicache_depth"] for m in metas) / len(metas),
@@ -199,11 +212,15 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     from bicache_sgl.config import parse_prefix_cache_mode
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    from bicache_sgl.config import STEP_ROWS
     for m in modes:
+        mode, rows = split_mode(m)
         try:
-            parse_prefix_cache_mode(m)
+            parse_prefix_cache_mode(mode)
         except ValueError as e:
             raise SystemExit(f"--modes: {e}") from None
+        if rows not in STEP_ROWS:
+            raise SystemExit(f"--modes: {m!r}: after '+' comes one of {STEP_ROWS}")
     if "off" not in modes:
         modes.insert(0, "off")  # the reference for speedups and identical outputs
     print("command: python examples/bench_prefix.py " + " ".join(shlex.quote(a) for a in argv))
@@ -223,7 +240,8 @@ def main(argv=None):
         reqs, prefixes = build_workload(args, tok, cfg.vocab_size, cfg.mask_token_id)
 
         profile_path, profile_note = args.profile, None
-        if "bicache" in modes and profile_path is None and not (Path(model_path) / "bicache_profile.json").exists():
+        uses_bicache = any(split_mode(m)[0] == "bicache" for m in modes)
+        if uses_bicache and profile_path is None and not (Path(model_path) / "bicache_profile.json").exists():
             profile_path = str(Path(tmp) / "bicache_profile.json")
             prof = on_the_fly_profile(model_path, reqs, prefixes, args, profile_path)
             profile_note = (f"no shipped profile: calibrated on this workload (kv-cosine, threshold "
@@ -255,24 +273,25 @@ def main(argv=None):
           f"max running {args.max_running_requests}" + (", explicit cache_prefix" if args.cache_prefix else ""))
     if profile_note:
         print(profile_note)
-    elif "bicache" in modes:
-        b = next(r for r in results if r["mode"] == "bicache")
+    elif uses_bicache:
+        b = next(r for r in results if split_mode(r["mode"])[0] == "bicache")
         print(f"bicache profile: {args.profile or Path(model_path) / 'bicache_profile.json'}: "
               f"{[list(e) for e in b['profile']] if b['profile'] else None}")
     print()
-    print("| mode | requests/s | output tokens/s | speedup vs off | CPU s | saved compute | cache hit rate "
-          "| mean depth | mean r (hits) | layers held / cached token | cache MiB | forwards | same output as off "
-          "| accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | requests/s | output tokens/s | speedup vs off | CPU s | saved compute | layer-tokens vs off "
+          "| cache hit rate | mean depth | mean r (hits) | layers held / cached token | cache MiB | forwards "
+          "| same output as off | accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         same = sum(a == b for a, b in zip(r["outputs"], ref["outputs"])) / len(reqs)
         acc = f"{r['acc']:.3f}" if "acc" in r else "n/a"
         print(f"| {r['mode']} | {len(reqs) / r['seconds']:.2f} | {r['out_tokens'] / r['seconds']:.1f} "
               f"| {ref['seconds'] / r['seconds']:.2f}x | {r['cpu_seconds']:.1f} | {r['saved']:.1%} "
+              f"| {r['computed'] / ref['computed']:.2f} "
               f"| {r['hit_rate']:.2f} | {r['depth']:.2f} | {r['r']:.2f} | {r['held']:.2f} | {r['stored_mib']:.2f} "
               f"| {r['forwards']} | {same:.0%} | {acc} |")
     print(f"\n(best of {max(1, args.repeat)} round-robin runs per mode; saved compute = skipped / (skipped + "
-          "computed) layer-tokens of the timed run)")
+          "computed) layer-tokens of the timed run; layer-tokens vs off = computed layer-tokens / off's)")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,32 @@ def test_dual_and_prefix_cache_compute_fewer_tokens(engine):
     assert metas["dual"]["tokens_computed"] < metas["prefix"]["tokens_computed"]
 
 
+def test_step_rows_active_computes_only_rows_that_can_change(tiny_llada):
+    """step_rows 'active': after a block's refresh a step computes the still-masked positions plus
+    the one unmasked by the previous forward (one token per step here), not the whole block."""
+    eng = Engine(tiny_llada, prefix_cache="off", block_length=8, threshold=None)
+    try:
+        sp = {"max_new_tokens": 16, "temperature": 0}
+        block = eng.generate(PROMPTS[0], {**sp, "step_rows": "block"})["meta_info"]
+        active = eng.generate(PROMPTS[0], {**sp, "step_rows": "active"})["meta_info"]
+        n = block["prompt_tokens"] + 16
+        refreshes = 2 * n  # one full refresh per block (dual cache computes the whole sequence)
+        # steps 1..7 of a block: block mode 8 rows each; active mode (8 - s) masked + 1 just unmasked
+        assert block["tokens_computed"] == refreshes + 2 * 7 * 8
+        assert active["tokens_computed"] == refreshes + 2 * sum(9 - s for s in range(1, 8))
+        assert active["forward_passes"] == block["forward_passes"] == 16
+        # refreshed at every step there is nothing to skip: exactly the block mode's tokens
+        assert _gen(eng, PROMPTS, refresh_interval=1, step_rows="active") == _gen(eng, PROMPTS, refresh_interval=1)
+        with pytest.raises(ValueError, match="step_rows 'active' needs cache_mode 'dual'"):
+            eng.generate("hi", {"max_new_tokens": 4, "step_rows": "active", "cache_mode": "prefix"})
+        with pytest.raises(ValueError, match="step_rows must be one of"):
+            eng.generate("hi", {"max_new_tokens": 4, "step_rows": "some"})
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="needs cache_mode 'dual'"):
+        DecodeDefaults(step_rows="active", cache_mode="none")
+
+
 def test_batched_equals_alone(engine):
     """Requests of different lengths, budgets and block sizes in one running batch (one forward
     per step) give the tokens each gives alone."""

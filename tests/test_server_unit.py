@@ -56,11 +56,14 @@ def test_flags_defaults_and_radix_switch():
     assert parse_args(["--disable-radix-cache"]).engine_config().prefix_cache == "off"
     assert parse_args(["--model", "/x"]).model_path == "/x"
     assert parse_args(["--steps", "64"]).default_sampling_params() == {"steps": 64}
+    assert parse_args([]).engine_config().decode.step_rows == "block"
+    assert parse_args(["--step-rows", "active"]).engine_config().decode.step_rows == "active"
 
 
 @pytest.mark.parametrize("argv", [["--prefix-cache", "sometimes"], ["--threshold", "2"], ["--block-length", "0"],
                                   ["--remasking", "nope"], ["--chat-template", "no-such-template"],
-                                  ["--context-length", "lots"]])
+                                  ["--context-length", "lots"], ["--step-rows", "some"],
+                                  ["--step-rows", "active", "--cache-mode", "prefix"]])
 def test_bad_flags_exit(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)

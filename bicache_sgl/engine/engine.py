@@ -32,6 +32,7 @@ from .model_runner import ModelRunner, load
 log = logging.getLogger(__name__)
 
 _DECODE_FIELDS = ("block_length", "steps_per_block", "threshold", "remasking", "cache_mode", "refresh_interval",
+                  "step_rows",
                   "algorithm", "eps", "alg_temp")
 # SGLang-style spellings of decode defaults accepted as Engine keyword arguments
 _DECODE_ALIASES = {"dllm_algorithm": "algorithm", "dllm_eps": "eps", "dllm_alg_temp": "alg_temp"}

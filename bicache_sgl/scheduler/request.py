@@ -80,6 +80,7 @@ class DecodePlan:
     algorithm: str = "low_confidence"  # config.ALGORITHMS
     eps: float = DEFAULT_EPS  # Dream's last timestep
     alg_temp: float = 0.0  # Dream's position sampling temperature (0: the most confident)
+    step_rows: str = "block"  # config.STEP_ROWS: what a dual-cache block step computes
 
     @property
     def dream(self) -> bool:
@@ -96,8 +97,13 @@ class DecodePlan:
         remasking = alg if alg in REMASKING else "low_confidence"
         dream_kw = {"algorithm": alg, "eps": _first(p.eps, d.eps, g.eps, DEFAULT_EPS),
                     "alg_temp": _first(p.alg_temp, d.alg_temp, g.alg_temp, 0.0)}
+        cache_mode = p.cache_mode or d.cache_mode
+        step_rows = p.step_rows or d.step_rows
+        if step_rows != "block" and cache_mode != "dual":
+            raise ValueError(f"step_rows {step_rows!r} needs cache_mode 'dual' (got {cache_mode!r})")
+        dream_kw["step_rows"] = step_rows
         if p.max_new_tokens <= 0:
-            return cls(0, block, 1, None, remasking, p.cache_mode or d.cache_mode, 0, **dream_kw)
+            return cls(0, block, 1, None, remasking, cache_mode, 0, **dream_kw)
         n_blocks = -(-p.max_new_tokens // block)
         gen = n_blocks * block
         if p.steps_per_block:
@@ -113,7 +119,7 @@ class DecodePlan:
         if alg not in DREAM_ALGORITHMS:
             spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
         thr = p.threshold if p.threshold is not None else d.threshold
-        return cls(gen, block, spb, thr if thr else None, remasking, p.cache_mode or d.cache_mode,
+        return cls(gen, block, spb, thr if thr else None, remasking, cache_mode,
                    p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **dream_kw)
 
 
@@ -180,6 +186,7 @@ class Req:
         self.out_logprobs: dict[int, tuple[float, list[tuple[float, int]]]] = {}
         self.input_logprobs: list[tuple[float | None, int, list[tuple[float, int]] | None]] | None = None
         self._pending: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._unmasked_last: np.ndarray = np.zeros(0, dtype=np.int64)  # positions the last forward unmasked
         self._score_pending: tuple[np.ndarray, np.ndarray] | None = None
         self.score_kv: SeqKV | None = None
         # accounting
@@ -265,6 +272,12 @@ class Req:
             positions = np.arange(bs - self.shift, be, dtype=np.int64)
         in_block = self.x[bs:be]
         masked = bs + np.nonzero((in_block == self.mask_id).numpy())[0]
+        if not refresh and self.plan.step_rows == "active":
+            # Only rows whose K/V can still change: the masked positions (and, for Dream, the row
+            # before each, which gives its logits) and the positions unmasked by the previous
+            # forward, computed once more with their token in place. Every other block row keeps
+            # the K/V it was last computed with (an approximation: they no longer see later unmasks).
+            positions = np.union1d(np.union1d(masked, masked - self.shift), self._unmasked_last)
         if self.step_in_block == 0:
             if self.plan.dream:
                 self.timesteps = dream_timesteps(self.plan.steps_per_block, self.plan.eps)
@@ -427,6 +440,7 @@ class Req:
             chosen = select_transfer(conf, k, plan.threshold)
         pos = torch.from_numpy(self._pending)[chosen]
         self.x[pos] = x0[chosen]
+        self._unmasked_last = self._pending[chosen.numpy()]
         if self.greq.return_logprob:
             if plan.dream:
                 lg[:, self.mask_id] = NEG_INF

@@ -22,6 +22,7 @@ from bicache_sgl.config import (
     CACHE_MODES,
     DTYPES,
     REMASKING,
+    STEP_ROWS,
     DecodeDefaults,
     EngineConfig,
     canonical_algorithm,
@@ -89,6 +90,7 @@ class ServerArgs:
     remasking: str = "low_confidence"
     cache_mode: str = "dual"
     refresh_interval: int = 0
+    step_rows: str = "block"
     # unmasking algorithm and Dream's knobs; None: the checkpoint's generation_config.json, else
     # the built-in (remasking, eps 1e-3, alg_temp 0). --remasking given explicitly sets it too
     dllm_algorithm: str | None = None
@@ -125,6 +127,7 @@ class ServerArgs:
             remasking=self.remasking,
             cache_mode=self.cache_mode,
             refresh_interval=self.refresh_interval,
+            step_rows=self.step_rows,
             algorithm=self.dllm_algorithm,
             eps=self.dllm_eps,
             alg_temp=self.dllm_alg_temp,
@@ -304,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="In-request KV cache: none | prefix | dual (Fast-dLLM).")
     g.add_argument("--refresh-interval", type=int, default=0,
                    help="Steps between in-request cache refreshes (0 = at block starts only).")
+    g.add_argument("--step-rows", default="block", choices=STEP_ROWS,
+                   help="Rows a dual-cache block step computes: 'block' = every position of the block (exact "
+                        "Fast-dLLM dual cache); 'active' = only the positions still masked plus those unmasked "
+                        "by the previous forward, whose K/V are then kept (fewer rows per step, approximate; "
+                        "docs/performance.md).")
 
     g = p.add_argument_group("SGLang compatibility")
     g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
@@ -460,6 +468,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         remasking=remasking,
         cache_mode=ns.cache_mode,
         refresh_interval=ns.refresh_interval,
+        step_rows=ns.step_rows,
         dllm_algorithm=algorithm,
         dllm_eps=ns.dllm_eps,
         dllm_alg_temp=ns.dllm_alg_temp,

@@ -133,7 +133,7 @@ def check_generate_body(body: Mapping[str, Any]) -> None:
 # passed into sampling_params as they are (SGLang extras and the diffusion knobs)
 SAMPLING_PASSTHROUGH = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
                         "skip_special_tokens", "seed", "n", "block_length", "steps", "steps_per_block", "threshold",
-                        "remasking", "cfg_scale", "cache_mode", "refresh_interval",
+                        "remasking", "cfg_scale", "cache_mode", "refresh_interval", "step_rows",
                         # the unmasking algorithm and Dream's knobs (docs/server.md, "Dream's algorithms")
                         "dllm_algorithm", "eps", "alg_temp",
                         # penalties, min-p, logit bias and constraints (docs/server.md, docs/structured.md)
