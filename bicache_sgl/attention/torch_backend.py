@@ -41,28 +41,55 @@ class TorchAttention(AttentionBackend):
         # Gathers use index_select on flat indices: on CPU it copies whole rows, ~6x faster than
         # advanced indexing with a 2-D index (which goes element by element).
         for group in plan:
-            if group[0] == "one":
-                _, i, idx = group
+            kv_idx = group.key_rows(self.kv_rows, layer, q.device)
+            if group.members_q is None:  # one sequence: no padding
+                i = group.members[0]
                 s, e = q_indptr[i], q_indptr[i + 1]
-                out[s:e] = sdpa_one(q[s:e], k_store.index_select(0, idx[layer]), v_store.index_select(0, idx[layer]))
+                out[s:e] = sdpa_one(q[s:e], k_store.index_select(0, kv_idx), v_store.index_select(0, kv_idx))
                 continue
-            _, q_idx, src, dst, key_mask, kv_idx = group
-            B, nq = q_idx.shape
-            nk = kv_idx.shape[2]
-            qg = q.index_select(0, q_idx.view(-1)).view(B, nq, *q.shape[1:])
-            kg = k_store.index_select(0, kv_idx[layer].view(-1)).view(B, nk, *k_store.shape[1:])
-            vg = v_store.index_select(0, kv_idx[layer].view(-1)).view(B, nk, *v_store.shape[1:])
-            o = sdpa_batched(qg, kg, vg, key_mask).reshape(B * nq, *q.shape[1:])
-            if src is None:  # no query padding: the group's rows are o's rows, in order
-                out.index_copy_(0, dst, o)
+            B, nq = group.members_q.shape
+            nk = group.nk
+            qg = q.index_select(0, group.members_q.view(-1)).view(B, nq, *q.shape[1:])
+            kg = k_store.index_select(0, kv_idx).view(B, nk, *k_store.shape[1:])
+            vg = v_store.index_select(0, kv_idx).view(B, nk, *v_store.shape[1:])
+            o = sdpa_batched(qg, kg, vg, group.key_mask).reshape(B * nq, *q.shape[1:])
+            if group.src is None:  # no query padding: the group's rows are o's rows, in order
+                out.index_copy_(0, group.dst, o)
             else:
-                out.index_copy_(0, dst, o.index_select(0, src))
+                out.index_copy_(0, group.dst, o.index_select(0, group.src))
         return out
 
 
-def _plan(q_indptr: Sequence[int], kv_rows: Sequence[np.ndarray], device: torch.device) -> list:
-    """Group sequences by query length; per group the query gather index, valid mask, key mask
-    and the key row index [L, B, nk] (padded with each sequence's own first row, masked out)."""
+class _Group:
+    """Sequences sharing one SDPA call. Key rows are built per layer on first use (a layout serves
+    only its segment's layers): ``[B * nk]`` flat, each member padded with its own first row."""
+
+    def __init__(self, members: list[int], nk: int, members_q: torch.Tensor | None = None,
+                 src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+                 key_mask: torch.Tensor | None = None) -> None:
+        self.members, self.nk = members, nk
+        self.members_q, self.src, self.dst, self.key_mask = members_q, src, dst, key_mask
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def key_rows(self, kv_rows: Sequence[np.ndarray], layer: int, device: torch.device) -> torch.Tensor:
+        got = self._rows.get(layer)
+        if got is None:
+            if len(self.members) == 1:
+                idx = kv_rows[self.members[0]][layer]
+            else:
+                idx = np.empty((len(self.members), self.nk), dtype=np.int64)
+                for b, i in enumerate(self.members):
+                    r = kv_rows[i][layer]
+                    idx[b, :len(r)] = r
+                    idx[b, len(r):] = r[0]
+                idx = idx.reshape(-1)
+            got = self._rows[layer] = torch.from_numpy(np.ascontiguousarray(idx)).to(device)
+        return got
+
+
+def _plan(q_indptr: Sequence[int], kv_rows: Sequence[np.ndarray], device: torch.device) -> list[_Group]:
+    """Group sequences by query length; per group the query gather index, the output scatter and
+    the key mask (keys are gathered per layer, ``_Group.key_rows``)."""
     n = len(kv_rows)
     q_lens = [q_indptr[i + 1] - q_indptr[i] for i in range(n)]
     order = sorted((i for i in range(n) if q_lens[i] > 0), key=lambda i: q_lens[i])
@@ -74,16 +101,14 @@ def _plan(q_indptr: Sequence[int], kv_rows: Sequence[np.ndarray], device: torch.
         cur.append(i)
     if cur:
         groups.append(cur)
-    plan: list = []
+    plan: list[_Group] = []
     for g in groups:
-        if len(g) == 1:
-            plan.append(("one", g[0], torch.from_numpy(kv_rows[g[0]]).to(device)))
-            continue
-        nq = max(q_lens[i] for i in g)
         kv_lens = [kv_rows[i].shape[1] for i in g]
         nk = max(kv_lens)
-        idx = np.stack([np.pad(kv_rows[i], ((0, 0), (0, nk - kv_rows[i].shape[1])), mode="edge") for i in g],
-                       axis=1)  # [L, B, nk]
+        if len(g) == 1:
+            plan.append(_Group(g, nk))
+            continue
+        nq = max(q_lens[i] for i in g)
         ar = np.arange(nq)
         starts = np.array([q_indptr[i] for i in g])
         lens = np.array([q_lens[i] for i in g])
@@ -97,7 +122,7 @@ def _plan(q_indptr: Sequence[int], kv_rows: Sequence[np.ndarray], device: torch.
         if min(kv_lens) != nk:
             kl = torch.tensor(kv_lens, device=device)
             key_mask = (torch.arange(nk, device=device)[None, :] < kl[:, None])[:, None, None, :]  # [B,1,1,nk]
-        plan.append(("many", torch.from_numpy(q_idx).to(device), src, dst, key_mask, torch.from_numpy(idx).to(device)))
+        plan.append(_Group(g, nk, torch.from_numpy(q_idx).to(device), src, dst, key_mask))
     return plan
 
 

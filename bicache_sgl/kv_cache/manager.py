@@ -70,6 +70,7 @@ class CacheGrant:
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
     pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (slots, layer, rows)
+    touched: list[tuple[int, int]] = field(default_factory=list)  # prompt position ranges that get rows
 
 
 class CacheManager:
@@ -149,6 +150,7 @@ class CacheManager:
             grant.pending.append((slots[pos_l], layer, rows))
             layers[layer] = (pos_l, self.pool.to_device(rows))
         grant.new_slots = new_slots
+        grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
 
     def commit(self, prompt: Sequence[int], grant: CacheGrant) -> None:
@@ -181,7 +183,13 @@ class CacheManager:
             new_leaf = res.handle if res.prefix_len < len(prompt) else None
         if handle is None:
             return
+        # Only nodes whose tokens received rows in this commit can hold more layers than before
+        # (every bind is followed by its own commit's check), so the others are skipped.
+        touched, end = grant.touched, 0
         for node in self.index.path(handle):
+            start, end = end, end + len(node.value)
+            if not any(s < end and start < e for s, e in touched):
+                continue
             held = self.pool.held_depth(node.value)
             if held > node.depth:
                 self.upgrades += node is not new_leaf
