@@ -126,6 +126,21 @@ def test_batched_equals_alone(engine):
     assert batched_forwards < sum(e.meta_info["forward_passes"] for e in together)
 
 
+def test_run_sync_steps_on_the_callers_thread(tiny_llada):
+    """run_sync (profilers, tools) gives the tokens generate gives, with no engine thread."""
+    eng = Engine(tiny_llada, prefix_cache="off", block_length=8, threshold=None)
+    try:
+        sp = SamplingParams(max_new_tokens=8, temperature=0)
+        evs = eng.run_sync([GenerateRequest(eng.encode(p), sp) for p in PROMPTS])
+        assert eng._thread is None
+        assert all(ev.finished and not ev.error for ev in evs)
+        assert [ev.output_ids for ev in evs] == _gen(eng, PROMPTS, max_new_tokens=8)
+        with pytest.raises(RuntimeError, match="thread is not running"):
+            eng.run_sync([GenerateRequest(eng.encode("x"), sp)])
+    finally:
+        eng.shutdown()
+
+
 def test_one_forward_per_step_for_the_whole_batch(tiny_llada):
     eng = Engine(tiny_llada, prefix_cache="off", block_length=8, threshold=None)
     try:

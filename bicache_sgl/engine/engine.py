@@ -125,8 +125,9 @@ class Engine:
         return self.submit_many([greq], [on_event])[0]
 
     def submit_many(self, greqs: Sequence[GenerateRequest],
-                    on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:
-        """Queue several requests atomically (they become visible to the same step)."""
+                    on_events: Sequence[Callable[[RequestEvent], None] | None], *, start: bool = True) -> list[str]:
+        """Queue several requests atomically (they become visible to the same step). ``start``
+        False leaves the engine thread alone (``run_sync`` steps on the caller's thread)."""
         reqs = [self._prepare(g, cb) for g, cb in zip(greqs, on_events)]
         with self._cv:
             limit = self.config.max_queued_requests
@@ -143,8 +144,24 @@ class Engine:
                 self._by_rid[req.rid] = req
                 self._inbox.append(req)
             self._cv.notify_all()
-        self.start()
+        if start:
+            self.start()
         return rids
+
+    def run_sync(self, greqs: Sequence[GenerateRequest]) -> list[RequestEvent]:
+        """Run requests to completion on the calling thread, one ``step`` after another, and return
+        each one's final event (for profilers and tools that must see the steps on their own
+        thread). The engine thread must not be running."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("run_sync needs an engine whose thread is not running")
+        final: dict[int, RequestEvent] = {}
+
+        def keep(i: int) -> Callable[[RequestEvent], None]:
+            return lambda ev: final.__setitem__(i, ev) if ev.finished else None
+        self.submit_many(greqs, [keep(i) for i in range(len(greqs))], start=False)
+        while self._inbox or self._flushes or self.has_work():
+            self.step()
+        return [final[i] for i in range(len(greqs))]
 
     def abort(self, rid: str) -> None:
         with self._cv:

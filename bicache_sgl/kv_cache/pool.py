@@ -147,7 +147,9 @@ class KVPool:
         """Free the rows of layers >= ``from_layer`` of ``slots``; returns rows freed."""
         part = self.table[slots, from_layer:]
         rows = part[part >= 0]
-        self.rows.free(rows)
+        # sorted: the free list hands them out again as ascending runs, so a layer's rows for a
+        # later node are contiguous (gathers read runs of memory, not every L-th row)
+        self.rows.free(np.sort(rows))
         self.table[slots, from_layer:] = -1
         return int(rows.size)
 
