@@ -100,6 +100,21 @@ def test_step_rows_active_computes_only_rows_that_can_change(tiny_llada):
         DecodeDefaults(step_rows="active", cache_mode="none")
 
 
+def test_step_rows_active_with_dream_shifted_logits(tiny_dream):
+    """Dream reads a position's logits from the row before it: 'active' computes those rows too,
+    so it runs, computes fewer rows than 'block', and equals it when refreshed at every step."""
+    eng = Engine(tiny_dream, prefix_cache="off", block_length=8, threshold=None)
+    try:
+        sp = {"max_new_tokens": 16, "temperature": 0}
+        block = eng.generate(PROMPTS[1], {**sp, "step_rows": "block"})["meta_info"]
+        active = eng.generate(PROMPTS[1], {**sp, "step_rows": "active"})
+        assert len(active["output_ids"]) == 16
+        assert active["meta_info"]["tokens_computed"] < block["tokens_computed"]
+        assert _gen(eng, PROMPTS, refresh_interval=1, step_rows="active") == _gen(eng, PROMPTS, refresh_interval=1)
+    finally:
+        eng.shutdown()
+
+
 def test_batched_equals_alone(engine):
     """Requests of different lengths, budgets and block sizes in one running batch (one forward
     per step) give the tokens each gives alone."""
