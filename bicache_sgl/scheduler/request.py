@@ -95,15 +95,14 @@ class DecodePlan:
         block = p.block_length or d.block_length
         alg = p.dllm_algorithm or p.remasking or d.algorithm or g.algorithm or d.remasking
         remasking = alg if alg in REMASKING else "low_confidence"
-        dream_kw = {"algorithm": alg, "eps": _first(p.eps, d.eps, g.eps, DEFAULT_EPS),
-                    "alg_temp": _first(p.alg_temp, d.alg_temp, g.alg_temp, 0.0)}
         cache_mode = p.cache_mode or d.cache_mode
         step_rows = p.step_rows or d.step_rows
         if step_rows != "block" and cache_mode != "dual":
             raise ValueError(f"step_rows {step_rows!r} needs cache_mode 'dual' (got {cache_mode!r})")
-        dream_kw["step_rows"] = step_rows
+        knobs = {"algorithm": alg, "eps": _first(p.eps, d.eps, g.eps, DEFAULT_EPS),
+                 "alg_temp": _first(p.alg_temp, d.alg_temp, g.alg_temp, 0.0), "step_rows": step_rows}
         if p.max_new_tokens <= 0:
-            return cls(0, block, 1, None, remasking, cache_mode, 0, **dream_kw)
+            return cls(0, block, 1, None, remasking, cache_mode, 0, **knobs)
         n_blocks = -(-p.max_new_tokens // block)
         gen = n_blocks * block
         if p.steps_per_block:
@@ -120,7 +119,7 @@ class DecodePlan:
             spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
         thr = p.threshold if p.threshold is not None else d.threshold
         return cls(gen, block, spb, thr if thr else None, remasking, cache_mode,
-                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **dream_kw)
+                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **knobs)
 
 
 class Req:
