@@ -42,14 +42,14 @@ class TorchAttention(AttentionBackend):
         # advanced indexing with a 2-D index (which goes element by element).
         for group in plan:
             kv_idx = group.key_rows(self.kv_rows, layer, q.device)
-            if group.members_q is None:  # one sequence: no padding
+            if group.q_rows is None:  # one sequence: no padding
                 i = group.members[0]
                 s, e = q_indptr[i], q_indptr[i + 1]
                 out[s:e] = sdpa_one(q[s:e], k_store.index_select(0, kv_idx), v_store.index_select(0, kv_idx))
                 continue
-            B, nq = group.members_q.shape
+            B, nq = group.q_rows.shape
             nk = group.nk
-            qg = q.index_select(0, group.members_q.view(-1)).view(B, nq, *q.shape[1:])
+            qg = q.index_select(0, group.q_rows.view(-1)).view(B, nq, *q.shape[1:])
             kg = k_store.index_select(0, kv_idx).view(B, nk, *k_store.shape[1:])
             vg = v_store.index_select(0, kv_idx).view(B, nk, *v_store.shape[1:])
             o = sdpa_batched(qg, kg, vg, group.key_mask).reshape(B * nq, *q.shape[1:])
@@ -61,14 +61,16 @@ class TorchAttention(AttentionBackend):
 
 
 class _Group:
-    """Sequences sharing one SDPA call. Key rows are built per layer on first use (a layout serves
-    only its segment's layers): ``[B * nk]`` flat, each member padded with its own first row."""
+    """Sequences sharing one SDPA call. ``q_rows`` [B, nq]: packed query row of each padded slot
+    (None for a lone sequence); output row ``dst[j]`` is the flattened ``o`` row ``src[j]`` (src
+    None: all). Key rows are built per layer on first use (a layout serves only its segment's
+    layers): ``[B * nk]`` flat, each member padded with its own first row."""
 
-    def __init__(self, members: list[int], nk: int, members_q: torch.Tensor | None = None,
+    def __init__(self, members: list[int], nk: int, q_rows: torch.Tensor | None = None,
                  src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
                  key_mask: torch.Tensor | None = None) -> None:
         self.members, self.nk = members, nk
-        self.members_q, self.src, self.dst, self.key_mask = members_q, src, dst, key_mask
+        self.q_rows, self.src, self.dst, self.key_mask = q_rows, src, dst, key_mask
         self._rows: dict[int, torch.Tensor] = {}
 
     def key_rows(self, kv_rows: Sequence[np.ndarray], layer: int, device: torch.device) -> torch.Tensor:
