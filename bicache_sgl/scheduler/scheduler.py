@@ -46,10 +46,6 @@ class Scheduler:
         self.waiting: deque = deque()
         self.kv_in_use = 0  # private K/V positions held by admitted, unfinished requests
 
-    def fits_ever(self, req: Schedulable) -> bool:
-        """Whether the request could run at all (alone, with the whole budget)."""
-        return req.kv_tokens <= self.kv_budget
-
     def add(self, req: Schedulable) -> None:
         self.waiting.append(req)
 
