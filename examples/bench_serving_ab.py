@@ -52,7 +52,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--server-args", default="", help='extra server flags for every server, e.g. "--num-threads 1"')
     ap.add_argument("--out-dir", default=None, help="logs and results.json (default: a temp folder)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    from bicache_sgl.config import parse_prefix_cache_mode
+    try:
+        for c in args.configs.split(","):
+            parse_prefix_cache_mode(c)
+        parse_server_args(args.server_args)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.rounds < 1 or len(args.configs.split(",")) < 2:
+        ap.error("need --rounds >= 1 and at least two --configs (the first is the baseline)")
+    return args
 
 
 def main(argv=None) -> dict:

@@ -36,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if min(args.requests, args.prompt_len, args.gen_len, args.block_length, args.runs) < 1:
+        ap.error("--requests, --prompt-len, --gen-len, --block-length and --runs must be >= 1")
+    return args
 
 
 def main(argv=None) -> dict:

@@ -38,7 +38,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the server's engine default on 2 CPUs)")
     ap.add_argument("--ops", type=int, default=12, help="operators to list from torch.profiler (0: no profile)")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    from bicache_sgl.config import parse_prefix_cache_mode
+    try:
+        for m in args.modes.split(","):
+            parse_prefix_cache_mode(m)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    return args
 
 
 def build_prompts(args, tokenizer) -> list[list[int]]:
