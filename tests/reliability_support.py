@@ -86,6 +86,17 @@ def sse_frames(lines: Any) -> list[Any]:
     return out
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` from ``/proc/PID/stat``; None once it is gone or a zombie (a zombie
+    runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Nothing listens on the port, and a new server could bind it (SO_REUSEADDR, as uvicorn and
     every other server sets it; connections in TIME_WAIT do not block such a bind)."""

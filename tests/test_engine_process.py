@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from reliability_support import sse_frames
+from reliability_support import parent_pid, sse_frames
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("zmq")
@@ -26,15 +26,6 @@ def info(rt) -> dict:
 
 def post(rt, payload, **kw):
     return requests.post(rt.url + "/generate", json=payload, timeout=TIMEOUT, **kw)
-
-
-def ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[1])  # a zombie runs nothing
 
 
 def wait_until(cond, timeout: float, step: float = 0.1) -> bool:
@@ -83,7 +74,7 @@ def test_thread_defaults(monkeypatch):
 
 def test_engine_runs_in_a_child_process(server):
     pid = info(server)["engine_pid"]
-    assert pid != server.proc.pid and ppid(pid) == server.proc.pid
+    assert pid != server.proc.pid and parent_pid(pid) == server.proc.pid
     assert "engine process pid" in server.log_text()
 
 
@@ -150,7 +141,7 @@ def test_sigterm_stops_the_engine_process(server):  # last: it stops the module'
     pid = info(server)["engine_pid"]
     server.proc.send_signal(signal.SIGTERM)  # the server only, as `kill PID` does
     server.proc.wait(30)
-    assert wait_until(lambda: ppid(pid) is None, 10), "the engine process outlived the server"
+    assert wait_until(lambda: parent_pid(pid) is None, 10), "the engine process outlived the server"
 
 
 # -- failures --------------------------------------------------------------------------------------------

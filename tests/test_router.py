@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from reliability_support import parent_pid
 
 from bicache_sgl.router import (
     READY_MESSAGE,
@@ -272,17 +273,8 @@ def test_killing_a_worker_mid_run(workers, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the launcher
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[1])  # a zombie runs nothing
-
-
 def descendants(root: int) -> set[int]:
-    parents = {int(p): _ppid(int(p)) for p in os.listdir("/proc") if p.isdigit()}
+    parents = {int(p): parent_pid(int(p)) for p in os.listdir("/proc") if p.isdigit()}
     out, frontier = set(), {root}
     while frontier:
         kids = {p for p, pp in parents.items() if pp in frontier} - out
@@ -331,7 +323,7 @@ def test_dp_launcher_end_to_end(tiny_llada, tmp_path):
         # a worker dies: removed from the router, restarted on a new port, added back
         kids = descendants(proc.pid)
         seen |= kids
-        worker_pids = [p for p in kids if _ppid(p) == proc.pid and "launch_server" in
+        worker_pids = [p for p in kids if parent_pid(p) == proc.pid and "launch_server" in
                        Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
         assert len(worker_pids) == 2, (kids, worker_pids)
         os.kill(worker_pids[0], signal.SIGKILL)
@@ -349,8 +341,8 @@ def test_dp_launcher_end_to_end(tiny_llada, tmp_path):
         assert len(kids) >= 5  # router + 2 x (server, engine)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(40) == 0, log_text()[-4000:]
-        assert wait_until(lambda: not any(_ppid(p) is not None for p in kids), 10), \
-            [p for p in kids if _ppid(p) is not None]
+        assert wait_until(lambda: not any(parent_pid(p) is not None for p in kids), 10), \
+            [p for p in kids if parent_pid(p) is not None]
     finally:
         if proc.poll() is None:
             seen |= descendants(proc.pid)
