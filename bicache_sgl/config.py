@@ -27,6 +27,7 @@ CACHE_MODES = ("none", "prefix", "dual")
 # rows a dual-cache block step computes: the whole block (Fast-dLLM), or only the positions still
 # masked plus those unmasked by the previous forward (docs/performance.md, "Fewer rows per step")
 STEP_ROWS = ("block", "active")
+DEFAULT_PROBATION = 16  # agreeing audits per bucket before a first-run profile's depth is trusted
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 _FIXED_RE = re.compile(r"^fixed:(\d+)$")
@@ -386,6 +387,9 @@ class EngineConfig:
     calibration_data: str | None = None  # "auto": jsonl prompts (calibrate CLI format); None: synthesised
     bicache_audit_rate: float = 0.02  # fraction of reusing requests whose first forward is re-run without reuse
     bicache_audit_min_agreement: float = 0.9  # top-1 agreement below which the audit lowers a bucket
+    # consecutive agreeing audits a bucket needs before it is trusted (None: DEFAULT_PROBATION for a
+    # first-run profile, 0 for a shipped or given one); until then every reusing request is audited
+    bicache_audit_probation: int | None = None
     decode: DecodeDefaults = field(default_factory=DecodeDefaults)
     random_seed: int = 0
     chat_template: str | None = None
@@ -404,6 +408,8 @@ class EngineConfig:
                f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate}")
         _check(0 <= self.bicache_audit_min_agreement <= 1,
                f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement}")
+        _check(self.bicache_audit_probation is None or self.bicache_audit_probation >= 0,
+               f"bicache_audit_probation must be >= 0, got {self.bicache_audit_probation}")
         _check(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens must be >= 1")
         _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                "mem_fraction_static must be in (0, 1)")

@@ -1,5 +1,6 @@
-"""The online audit: a sample of reusing requests also runs its first forward without reuse; a
-bucket whose reuse disagrees is capped one layer lower (and every lower bucket with it)."""
+"""The online audit: reusing requests on probation (and a sample after it) also run their first
+forward without reuse and are answered from it; a bucket whose reuse disagrees drops to a depth
+that agreed, or half the failed one (and every lower bucket with it), and is on probation again."""
 
 from __future__ import annotations
 
@@ -27,67 +28,87 @@ def test_compare_and_caps_err_safe():
     assert compare(a, a) == (1.0, 0.0)
     agree, kl = compare(a, torch.tensor([[0.0, 5.0, 0.0], [0.0, 3.0, 0.0]]))
     assert agree == 0.5 and kl > 0
-    audit = DepthAudit(BicacheProfile(((0, 0), (30, 2), (60, 4)), 4), rate=1.0, min_agreement=0.9)
+    audit = DepthAudit(BicacheProfile(((0, 0), (30, 2), (60, 8)), 8), rate=1.0, min_agreement=0.9)
     assert audit.cap(0.7) is None
-    audit.record(0.7, 4, a, a)  # agrees: nothing changes
+    audit.record(0.7, 8, a, a)  # agrees: nothing changes
     assert audit.cap(0.7) is None and audit.lowered == 0
     bad = torch.tensor([[5.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
-    audit.record(0.7, 4, bad, a)  # disagrees at depth 4 in the r >= 0.6 bucket
-    assert audit.cap(0.7) == 3 and audit.cap(0.4) == 3 and audit.cap(0.1) == 3  # lower buckets too
+    audit.record(0.7, 8, bad, a)  # disagrees at depth 8 in the r >= 0.6 bucket: nothing lower agreed
+    assert audit.cap(0.7) == 4 and audit.cap(0.4) is None  # halved; the lower bucket (2) is below it already
+    audit.record(0.7, 3, a, a)  # depth 3 agreed here (a node-limited request) ...
+    audit.record(0.7, 4, bad, a)  # ... so the next failure drops to it, not to 2
+    assert audit.cap(0.7) == 3
     audit.record(0.4, 2, bad, a)
     assert audit.cap(0.4) == 1 and audit.cap(0.7) == 3  # a lower bucket never lowers a higher one
     audit.record(0.7, 2, a, a)
     assert audit.cap(0.7) == 3  # caps never rise again
     st = audit.stats()
-    assert st["bicache_audit_samples_total"] == 4 and st["bicache_audit_lowered_total"] == 2
+    assert st["bicache_audit_samples_total"] == 6 and st["bicache_audit_lowered_total"] == 3
+    assert st["bicache_audit_disagreements_total"] == 3 and st["bicache_audit_served_exact_total"] == 6
+    assert [(c["from"], c["to"]) for c in st["bicache_audit_depth_changes"]] == [(8, 4), (4, 3), (2, 1)]
     with pytest.raises(ValueError, match="rate"):
         DepthAudit(BicacheProfile(((0, 0),), 4), rate=1.5)
 
 
+def test_probation_audits_every_request_until_trust_is_earned():
+    a = torch.tensor([[0.0, 5.0, 0.0]])
+    bad = torch.tensor([[5.0, 0.0, 0.0]])
+    audit = DepthAudit(BicacheProfile(((0, 0), (50, 4)), 4), rate=0.0, probation=3)
+    assert audit.should_audit(0.7) and not audit.trusted(0.7)
+    for _ in range(3):
+        audit.record(0.7, 4, a, a)
+    assert audit.trusted(0.7) and not audit.should_audit(0.7)  # rate 0 after probation
+    audit.record(0.7, 4, bad, a)  # trust is lost with one disagreement, at the lower depth
+    assert not audit.trusted(0.7) and audit.should_audit(0.7) and audit.cap(0.7) == 2
+    audit.record(0.7, 1, a, a)  # a lower, node-limited depth agreeing does not earn trust in depth 2
+    assert audit.stats()["bicache_audit_buckets"][1]["streak"] == 0
+    with pytest.raises(ValueError, match="probation"):
+        DepthAudit(BicacheProfile(((0, 0),), 4), rate=0.0, probation=-1)
+
+
 def test_audit_lowers_a_too_deep_profile_on_the_planted_model(planted, tmp_path):
     """The planted model's safe depth is K; a profile allowing K + 2 answers the wrong question.
-    With every reusing request audited, the depth falls to K within two audited requests, and
-    from then on the answers are right."""
+    Every audited request is answered from its exact forward, so every answer is right; the first
+    disagreement halves the depth to K, and from then on reuse at K agrees."""
     prof = tmp_path / "too_deep.json"
-    BicacheProfile(((0, 0), (50, K + 2)), L, model="planted").save(prof)
+    BicacheProfile(((0, 0), (50, 2 * K)), L, model="planted").save(prof)
     eng = Engine(planted, prefix_cache="bicache", bicache_profile=str(prof), bicache_audit_rate=1.0,
                  threshold=None, device="cpu")
     try:
-        eng.generate(PREFIX + "Question 3: which digit?", SP)  # stores the prefix at depth K + 2
-        depths, right = [], []
+        eng.generate(PREFIX + "Question 3: which digit?", SP)  # stores the prefix at depth 2K
+        right = []
         for d in "5846":
             prompt = PREFIX + f"Question {d}: which digit?"
             out = eng.generate(prompt, SP)
-            depths.append(out["meta_info"]["bicache_depth"])
+            assert out["meta_info"]["bicache_audited"] and out["meta_info"]["bicache_depth"] == 0
             right.append(out["text"] == expected_answer(prompt) * G)
-        assert depths == [K + 2, K + 1, K, K]
-        assert right == [False, False, True, True]
+        assert right == [True] * 4
         st = eng.get_stats()
-        assert st["bicache_audit_lowered_total"] == 2 and st["bicache_audit_samples_total"] == 4
-        assert [b["cap"] for b in st["bicache_audit_buckets"]] == [K, K]
+        assert st["bicache_audit_lowered_total"] == 1 and st["bicache_audit_samples_total"] == 4
+        assert st["bicache_audit_disagreements_total"] == 1 and st["bicache_audit_served_exact_total"] == 4
+        assert [b["depth"] for b in st["bicache_audit_buckets"]] == [0, K]
     finally:
         eng.shutdown()
 
 
-def test_audit_does_not_change_outputs(tiny_llada, tmp_path):
-    """The audit's shadow forward rides in the same batch: the audited requests' tokens equal
-    those of an engine without the audit (tiny model, an agreeing shallow profile)."""
+def test_audited_requests_answer_as_cache_off(tiny_llada, tmp_path):
+    """The audit's shadow forward rides in the same batch and the audited request continues from
+    it: its tokens equal those of an engine with the prefix cache off (tiny model)."""
     prof = tmp_path / "p.json"
-    BicacheProfile(((0, 0), (50, 1)), 4, model="tiny").save(prof)
+    BicacheProfile(((0, 0), (50, 4)), 4, model="tiny").save(prof)
     prefix = "Shared instructions for every question in this batch, long enough to matter. " * 2
     prompts = [prefix + q for q in ("Alpha?", "Beta?", "Gamma?")]
     outs = {}
-    for rate in (0.0, 1.0):
-        eng = Engine(tiny_llada, prefix_cache="bicache", bicache_profile=str(prof), bicache_audit_rate=rate,
+    for mode, rate in (("off", 0.0), ("bicache", 1.0)):
+        eng = Engine(tiny_llada, prefix_cache=mode, bicache_profile=str(prof), bicache_audit_rate=rate,
                      bicache_audit_min_agreement=0.0, block_length=8, threshold=None)
         try:
             eng.generate(prefix, {"max_new_tokens": 0})
-            outs[rate] = [o["output_ids"] for o in eng.generate(prompts, {"temperature": 0, "max_new_tokens": 16})]
+            outs[mode] = [o["output_ids"] for o in eng.generate(prompts, {"temperature": 0, "max_new_tokens": 16})]
             st = eng.get_stats()
             if rate:
                 assert st["bicache_audit_samples_total"] == 3  # every reusing request was audited
-            else:
-                assert st["bicache_audit_rate"] == 0 and "bicache_audit_samples_total" not in st
+                assert st["prefix_cache_stored_layer_tokens"] > 0
         finally:
             eng.shutdown()
-    assert outs[0.0] == outs[1.0]
+    assert outs["off"] == outs["bicache"]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from bicache_sgl import Engine, GenerateRequest, SamplingParams
-from bicache_sgl.bicache.policy import FixedPolicy, OffPolicy, ProfilePolicy, make_policy, request_policy
+from bicache_sgl.bicache.planner import MatchFacts, RequestFacts, plan_reuse
+from bicache_sgl.bicache.policy import OffPolicy, ProfilePolicy, make_policy
 from bicache_sgl.bicache.profile import BicacheProfile, find_profile
 from bicache_sgl.kv_cache.memory import MAX_POOL_TOKENS, plan_memory, prefix_bytes_per_token
 from bicache_sgl.kv_cache.pool import SlotAllocator
@@ -206,28 +207,68 @@ def test_profile_none_means_depth_zero_with_a_warning(tiny_llada, caplog):
     eng.shutdown()
 
 
-def test_depth_policy_over_node_segments():
+def _own_match(segments, prompt_len, seq_len, L=4):
+    """A match whose rows were all captured by an earlier copy of the same request."""
+    length = segments[-1][0]
+    held = np.zeros((length, L), dtype=bool)
+    s = 0
+    for e, d in segments:
+        held[s:e, :d] = True
+        s = e
+    ctx = np.where(held, 0, -1).astype(np.int64)
+    return MatchFacts(length, tuple(segments), held, ctx, {0: (prompt_len, seq_len)})
+
+
+def test_planner_over_node_segments():
     prof = BicacheProfile(((0, 0), (50, 2), (80, 4)), 4)
     pol = make_policy("bicache", 4, prof)
     assert isinstance(pol, ProfilePolicy) and pol.max_node_depth == 4
-    # one node of 90 tokens at depth 4 in a 100-token sequence: r = 0.9 -> b = 4
-    c = pol.choose(((90, 4),), 90, 100)
-    assert (c.prefix, c.depth) == (90, 4)
+    facts = RequestFacts(prompt_len=91, seq_len=100)
+    # one node of 90 tokens at depth 4 in a 100-token sequence: r = 0.91 -> b = 4
+    c = plan_reuse(pol, facts, _own_match(((90, 4),), 91, 100))
+    assert (c.start, c.prefix, c.depth) == (0, 90, 4)
     # deeper part of the match holds fewer layers: 60 tokens at depth 4 then 30 at depth 1
-    c = pol.choose(((60, 4), (90, 1)), 90, 100)
-    assert (c.prefix, c.depth, c.matched) == (60, 2, 90)  # 60 x b(0.6)=2 beats 90 x 1
+    c = plan_reuse(pol, facts, _own_match(((60, 4), (90, 1)), 91, 100))
+    assert (c.prefix, c.depth, c.matched) == (60, 4, 90)  # 60 x 4 beats 90 x 1
     off = make_policy("off", 4)
-    assert isinstance(off, OffPolicy) and not off.uses_cache and off.choose(((90, 4),), 90, 100).depth == 0
+    assert isinstance(off, OffPolicy) and not off.uses_cache
+    assert plan_reuse(off, facts, _own_match(((90, 4),), 91, 100)).depth == 0
     naive = make_policy("naive", 4)
-    assert naive.max_node_depth == 4 and naive.choose(((90, 4),), 90, 100).depth == 4
+    assert naive.max_node_depth == 4 and plan_reuse(naive, facts, _own_match(((90, 4),), 91, 100)).depth == 4
     fixed = make_policy("fixed:3", 4)
-    assert fixed.max_node_depth == 3 and fixed.choose(((90, 2),), 90, 100).depth == 2  # capped by the node
+    assert fixed.max_node_depth == 3
+    assert plan_reuse(fixed, facts, _own_match(((90, 2),), 91, 100)).depth == 2  # capped by the node
     assert make_policy("bicache", 4, None).max_node_depth == 0  # no profile: nothing stored, nothing reused
     # per-request overrides: exact requests reuse nothing; bicache_depth fixes the depth
-    assert request_policy(pol, None, exact=True).choose(((90, 4),), 90, 100).depth == 0
-    forced = request_policy(pol, 1, exact=False)
-    assert isinstance(forced, FixedPolicy) and forced.choose(((90, 4),), 90, 100).depth == 1
-    assert request_policy(pol, None, exact=False) is pol
+    assert plan_reuse(pol, RequestFacts(91, 100, exact=True), _own_match(((90, 4),), 91, 100)).depth == 0
+    assert plan_reuse(pol, RequestFacts(91, 100, forced_depth=1), _own_match(((90, 4),), 91, 100)).depth == 1
+
+
+def test_planner_bounds_each_row_by_its_capture_context():
+    """A 10-token head captured by another family's request (sharing only the head) may be reused
+    only at b(10 / N); the family's own 80 tokens behind it at the family's depth. The span then
+    starts after the head, which is recomputed."""
+    prof = BicacheProfile(((0, 0), (50, 2), (80, 4)), 4)
+    pol = make_policy("bicache", 4, prof)
+    held = np.ones((90, 4), dtype=bool)
+    ctx = np.zeros((90, 4), dtype=np.int64)
+    ctx[10:] = 1  # the head from context 0 (another family), the rest from context 1 (the family's first)
+    match = MatchFacts(90, ((10, 4), (90, 4)), held, ctx, {0: (10, 100), 1: (91, 100)})
+    plan = plan_reuse(pol, RequestFacts(91, 100), match)
+    assert (plan.start, plan.prefix, plan.depth) == (10, 90, 4)
+    assert plan.r == 0.91  # the binding shared fraction: the family's context
+    # the head is computed in full: its missing layers are stored from this request's context
+    # (none here: it holds all 4), the span is not rewritten
+    assert all(not (s < 10 < e) for s, e, _, _ in plan.store)
+    # the same prompt captured beside many more generation positions: shared 91 / 400
+    match = MatchFacts(90, ((90, 4),), held, np.zeros((90, 4), dtype=np.int64), {0: (91, 400)})
+    assert plan_reuse(pol, RequestFacts(91, 100), match).depth == 0
+    # an upgrade wrote layers 2-3 from another context that shares less: only layers 0-1 usable
+    ctx = np.zeros((90, 4), dtype=np.int64)
+    ctx[:, 2:] = 1
+    match = MatchFacts(90, ((90, 4),), held, ctx, {0: (91, 100), 1: (60, 100)})
+    plan = plan_reuse(pol, RequestFacts(91, 100), match)
+    assert (plan.start, plan.prefix, plan.depth) == (0, 90, 2) and plan.r == 0.6
 
 
 class _R:

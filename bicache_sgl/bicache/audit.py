@@ -1,11 +1,19 @@
-"""The online audit: checks the profile's depths on live traffic and lowers the ones that fail.
+"""The online audit: trust in a depth is earned on live traffic, and lost on one disagreement.
 
-For a sample of requests that reuse a prefix (``rate``), the engine also runs their first forward
-without reuse, in the same batch. The two distributions at the masked positions are compared
-(top-1 agreement, KL(exact || reused)) and kept per r-bucket (the profile's table rows). A sample
-whose top-1 agreement is below ``min_agreement`` lowers that bucket's cap to one layer below the
-depth it used, and every lower bucket with it (the table stays non-decreasing and errs safe).
-Later samples in the bucket then test the lower depth; the cap never rises again.
+An audited request's first forward also runs without reuse, in the same batch (a shadow sequence
+with its own rows; it carries the request's capture, so what is stored is the request's own exact
+state). The request then continues from the exact forward: its answer equals cache off whatever
+the audit finds. The two distributions at the masked positions are compared (top-1 agreement,
+KL(exact || reused)) and kept per r-bucket (the profile's table rows).
+
+- probation: a bucket is trusted only after ``probation`` consecutive audits at its current depth
+  agreed; until then EVERY reusing request in it is audited (so served exact); after that, the
+  configured ``rate``;
+- a disagreement (top-1 agreement below ``min_agreement``) drops the bucket, and every lower bucket
+  (the table stays non-decreasing and errs safe), to the largest depth below the failed one that
+  has agreed in that bucket, else to half the failed depth (a few failures reach a safe depth, not
+  one layer per failure); the bucket is then on probation again at the new depth. Depths never
+  rise again.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,14 +29,20 @@ from .profile import BicacheProfile
 
 log = logging.getLogger(__name__)
 
+MAX_HISTORY = 64  # depth changes kept for /get_server_info
+
 
 @dataclass
 class _Bucket:
     r_lo: float
+    depth: int  # the depth in force (the profile's, then what the audit lowered it to)
     samples: int = 0
     agree_sum: float = 0.0
     kl_sum: float = 0.0
-    cap: int | None = None  # None: the profile's depth
+    streak: int = 0  # consecutive agreeing audits at `depth`
+    disagreements: int = 0
+    agreed: set[int] = field(default_factory=set)  # depths that agreed here at least once
+    cap: int | None = None  # None: never lowered
 
 
 def compare(reused: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
@@ -43,18 +57,25 @@ def compare(reused: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 
 class DepthAudit:
-    """Per-bucket audit statistics and depth caps for one profile. Thread-safe."""
+    """Per-bucket probation, audit statistics and depth caps for one profile. Thread-safe."""
 
-    def __init__(self, profile: BicacheProfile, rate: float, min_agreement: float = 0.9, seed: int = 0) -> None:
+    def __init__(self, profile: BicacheProfile, rate: float, min_agreement: float = 0.9, seed: int = 0,
+                 probation: int = 0) -> None:
         if not 0 <= rate <= 1:
             raise ValueError(f"audit rate must be in [0, 1], got {rate}")
         if not 0 <= min_agreement <= 1:
             raise ValueError(f"audit min_agreement must be in [0, 1], got {min_agreement}")
-        self.rate, self.min_agreement = rate, min_agreement
-        self._buckets = [_Bucket(r / 100.0) for r, _ in profile.table]
+        if probation < 0:
+            raise ValueError(f"audit probation must be >= 0, got {probation}")
+        self.rate, self.min_agreement, self.probation = rate, min_agreement, probation
+        self._buckets = [_Bucket(r / 100.0, b) for r, b in profile.table]
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.lowered = 0
+        self.audits = 0
+        self.disagreements = 0
+        self.served_exact = 0
+        self.history: list[dict] = []  # depth changes, oldest first (at most MAX_HISTORY)
 
     def _index(self, r: float) -> int:
         i = 0
@@ -63,47 +84,76 @@ class DepthAudit:
                 i = j
         return i
 
-    def sample(self) -> bool:
-        """Whether to audit the next reusing request."""
+    def should_audit(self, r: float) -> bool:
+        """Whether a request reusing state bounded by shared fraction ``r`` is audited: always while
+        its bucket is on probation, else with probability ``rate``."""
         with self._lock:
+            if self._buckets[self._index(r)].streak < self.probation:
+                return True
             return self.rate > 0 and self._rng.random() < self.rate
 
+    def trusted(self, r: float) -> bool:
+        with self._lock:
+            return self._buckets[self._index(r)].streak >= self.probation
+
     def cap(self, r: float) -> int | None:
-        """The audit's cap on the depth at prefix fraction ``r`` (None: no cap)."""
+        """The audit's cap on the depth at prefix fraction ``r`` (None: never lowered)."""
         with self._lock:
             return self._buckets[self._index(r)].cap
 
     def record(self, r: float, depth: int, reused: torch.Tensor, exact: torch.Tensor) -> None:
-        """One audited request's first forward: reused at ``depth`` vs no reuse."""
+        """One audited request's first forward: reused at ``depth`` vs no reuse (the request itself
+        was answered from the exact forward)."""
         agree, kl = compare(reused, exact)
         with self._lock:
+            self.audits += 1
+            self.served_exact += 1
             i = self._index(r)
             b = self._buckets[i]
             b.samples += 1
             b.agree_sum += agree
             b.kl_sum += kl
-            if agree < self.min_agreement and depth > 0:
-                new = depth - 1
-                for lower in self._buckets[:i + 1]:
-                    if lower.cap is None or lower.cap > new:
-                        lower.cap = new
-                self.lowered += 1
-                log.warning("bicache audit: at r=%.2f depth %d agreed on %.0f%% of masked positions (KL %.3g) "
-                            "< %.0f%%: capping r < %.2f at depth %d", r, depth, 100 * agree, kl,
-                            100 * self.min_agreement, self._buckets[i + 1].r_lo if i + 1 < len(self._buckets)
-                            else 1.0, new)
+            if agree >= self.min_agreement or depth <= 0:
+                b.agreed.add(depth)
+                if depth >= b.depth:  # a test of the depth in force (not of a lower, node-limited one)
+                    b.streak += 1
+                return
+            self.disagreements += 1
+            b.disagreements += 1
+            new = max((d for d in b.agreed if d < depth), default=depth // 2)
+            for lower in self._buckets[:i + 1]:
+                if lower.depth > new:
+                    old = lower.depth
+                    lower.depth = lower.cap = new
+                    lower.streak = 0
+                    self._changed(lower, old, new, r, agree, kl)
+            self.lowered += 1
+
+    def _changed(self, b: _Bucket, old: int, new: int, r: float, agree: float, kl: float) -> None:
+        log.warning("bicache audit: at r=%.2f the reused forward agreed with the exact one on %.0f%% of masked "
+                    "positions (KL %.3g) < %.0f%%: bucket r >= %.2f goes from depth %d to %d (on probation)",
+                    r, 100 * agree, kl, 100 * self.min_agreement, b.r_lo, old, new)
+        self.history.append({"r_from": b.r_lo, "from": old, "to": new, "at_r": round(r, 6),
+                             "top1_agreement": agree})
+        del self.history[:-MAX_HISTORY]
 
     def stats(self) -> dict:
         with self._lock:
             n = sum(b.samples for b in self._buckets)
             return {
                 "bicache_audit_rate": self.rate,
+                "bicache_audit_probation": self.probation,
                 "bicache_audit_samples_total": n,
+                "bicache_audit_disagreements_total": self.disagreements,
+                "bicache_audit_served_exact_total": self.served_exact,
                 "bicache_audit_lowered_total": self.lowered,
                 "bicache_audit_top1_agreement": sum(b.agree_sum for b in self._buckets) / n if n else None,
                 "bicache_audit_kl": sum(b.kl_sum for b in self._buckets) / n if n else None,
+                "bicache_audit_trusted_buckets": sum(b.streak >= self.probation for b in self._buckets),
                 "bicache_audit_buckets": [
-                    {"r_from": b.r_lo, "samples": b.samples, "cap": b.cap,
+                    {"r_from": b.r_lo, "depth": b.depth, "samples": b.samples, "cap": b.cap,
+                     "streak": b.streak, "trusted": b.streak >= self.probation, "disagreements": b.disagreements,
                      "top1_agreement": b.agree_sum / b.samples if b.samples else None,
                      "kl": b.kl_sum / b.samples if b.samples else None} for b in self._buckets],
+                "bicache_audit_depth_changes": list(self.history),
             }

@@ -1,12 +1,10 @@
 """The bicache decision, in one object per mode.
 
-A :class:`DepthPolicy` answers the two questions of bicache (DESIGN.md sections 4-5):
-
-- ``target_depth(r)``: the depth b(r) a request whose reused prefix is fraction r is allowed;
-  cache nodes hold the largest b(r) of the requests that used them (kv_cache/manager.py);
-- ``choose(segments, matched, seq_len)``: which reused prefix length p' and depth d a request
-  uses, given its radix match. d = min(b(p'/N), min node depth up to p'), p' maximising p' x d.
-``max_node_depth`` bounds what any node may hold (it sizes the pool).
+A :class:`DepthPolicy` answers ``target_depth(r)``: the depth b(r) that state captured in a
+sequence sharing a fraction r with the request is allowed (DESIGN.md sections 4-5). Which
+positions a request reuses, and at which depth, is decided from this b(.) and the capture context
+of every matched row by bicache/planner.py. ``max_node_depth`` bounds what any node may hold (it
+sizes the pool).
 
 Modes: ``off`` (no reuse, no cache), ``naive`` (every layer: the baseline that breaks
 bidirectional models), ``fixed:N`` (N layers) and ``bicache`` (b(r) from a calibrated profile).
@@ -16,29 +14,11 @@ Nothing outside this module branches on the mode.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import parse_prefix_cache_mode
 from .audit import DepthAudit
 from .profile import BicacheProfile
-
-
-@dataclass(frozen=True)
-class DepthChoice:
-    """What one request reuses. ``matched`` is reported as cached_tokens."""
-
-    matched: int  # tokens matched in the radix tree
-    prefix: int  # tokens actually reused (p' <= matched)
-    depth: int  # layers in which the reused prefix is skipped
-    r: float  # prefix fraction of the reused prefix: prefix / seq_len
-
-    @property
-    def skipped_layer_tokens(self) -> int:
-        return self.prefix * self.depth
-
-
-NO_REUSE = DepthChoice(0, 0, 0, 0.0)
 
 
 class DepthPolicy(ABC):
@@ -61,25 +41,6 @@ class DepthPolicy(ABC):
     @abstractmethod
     def target_depth(self, r: float) -> int:
         """The depth this mode allows for a request whose reused prefix is fraction ``r``."""
-
-    def choose(self, segments: Sequence[tuple[int, int]], matched: int, seq_len: int) -> DepthChoice:
-        """Pick p' <= matched at a node boundary (or ``matched`` itself) maximising p' x depth,
-        depth(p') = min(target_depth(p'/N), min node depth up to p'). ``segments``: the match's
-        ((end_len, node_depth), ...) in path order."""
-        best = DepthChoice(matched, 0, 0, 0.0)
-        if matched <= 0 or seq_len <= 0:
-            return best
-        run_min = self.n_layers
-        for end, node_depth in segments:
-            run_min = min(run_min, node_depth)
-            p = min(end, matched)
-            d = min(self.target_depth(p / seq_len), run_min)
-            gain, best_gain = p * d, best.prefix * best.depth
-            if gain > best_gain or (gain == best_gain and d > 0 and p > best.prefix):
-                best = DepthChoice(matched, p, d, p / seq_len)
-            if end >= matched:
-                break
-        return best
 
     def describe(self) -> str:
         return f"{self.name} (nodes hold up to {self.max_node_depth} of {self.n_layers} layers)"
@@ -149,9 +110,10 @@ class ProfilePolicy(DepthPolicy):
 
 
 def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None, *, audit_rate: float = 0.0,
-                audit_min_agreement: float = 0.9, seed: int = 0) -> DepthPolicy:
+                audit_min_agreement: float = 0.9, seed: int = 0, probation: int = 0) -> DepthPolicy:
     """``off | naive | bicache | fixed:N`` -> its policy (``profile`` and the audit are used by
-    ``bicache``; fixed depths are experiments and are not audited)."""
+    ``bicache``; fixed depths are experiments and are not audited). ``probation``: consecutive
+    agreeing audits a bucket needs before it is trusted (bicache/audit.py)."""
     kind, n = parse_prefix_cache_mode(mode)
     if kind == "off":
         return OffPolicy(n_layers)
@@ -159,17 +121,6 @@ def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None,
         return FixedPolicy(n_layers, n_layers, name="naive")
     if kind == "fixed":
         return FixedPolicy(n_layers, int(n or 0))
-    audit = DepthAudit(profile, audit_rate, audit_min_agreement, seed) if profile is not None and audit_rate > 0 \
-        else None
+    audited = profile is not None and (audit_rate > 0 or probation > 0)
+    audit = DepthAudit(profile, audit_rate, audit_min_agreement, seed, probation) if audited else None
     return ProfilePolicy(n_layers, profile, audit)
-
-
-def request_policy(engine_policy: DepthPolicy, forced_depth: int | None, exact: bool) -> DepthPolicy:
-    """The policy one request runs under: ``exact`` requests (likelihood scoring, prefill-only)
-    reuse nothing; a request's own ``bicache_depth`` fixes its depth (still capped by what the
-    matched nodes hold); otherwise the engine's policy."""
-    if exact:
-        return OffPolicy(engine_policy.n_layers)
-    if forced_depth is not None:
-        return FixedPolicy(engine_policy.n_layers, forced_depth)
-    return engine_policy

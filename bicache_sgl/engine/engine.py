@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ..bicache.policy import make_policy, request_policy
+from ..bicache.policy import make_policy
 from ..calibration.auto import resolve_profile
-from ..config import DecodeDefaults, EngineConfig, SamplingParams
+from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
+from ..bicache.planner import ReusePlan
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..kv_cache.manager import make_cache_manager
 from ..kv_cache.memory import plan_memory
@@ -75,8 +76,12 @@ class Engine:
         # a file, or ("auto": the default without one beside the model) calibrated now on a second
         # engine built by the factory, cached on disk (bicache_sgl/calibration/auto.py)
         self.profile = resolve_profile(cfg, loaded, lambda **kw: Engine(config=cfg, **kw))
+        probation = cfg.bicache_audit_probation
+        if probation is None:  # a first-run profile was measured on synthesised prompts: trust is earned
+            probation = DEFAULT_PROBATION if self.profile is not None and "auto" in self.profile.extra else 0
         self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile, audit_rate=cfg.bicache_audit_rate,
-                                  audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.random_seed)
+                                  audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.random_seed,
+                                  probation=probation)
         self.audit = self.policy.audit
         if self.policy.name == "bicache" and self.profile is None:
             log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
@@ -249,7 +254,7 @@ class Engine:
             parts, i = logits[i:i + n], i + n
             if req.finished:  # failed while planning: its works were not in the batch
                 continue
-            self.cache.commit(req.prompt, req.cache)  # no-op after the first forward
+            self.cache.commit(req.prompt, req.cache, req.capture_len)  # no-op after the first forward
             try:
                 block_done = req.apply(parts, L)
             except Exception as e:
@@ -257,7 +262,7 @@ class Engine:
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
                 continue
             if req.audit_pair is not None:
-                self.audit.record(req.choice.r, req.choice.depth, *req.audit_pair)
+                self.audit.record(*req.audit_pair)
                 req.audit_pair = None
             if block_done and not req.finished:
                 self._emit(req)
@@ -296,11 +301,13 @@ class Engine:
             self.running.append(req)
             try:
                 req.allocate(self.runner.alloc_kv)
-                policy = request_policy(self.policy, req.greq.bicache_depth, exact=req.exact)
-                req.cache = self.cache.admit(req.prompt, req.seq_len, policy, req.kv)
-                if self.audit is not None and req.choice.depth > 0 and policy is self.policy and self.audit.sample():
-                    req.audit_kv = self.runner.pool.alloc_seq(req.seq_len)  # outside the budget: skipped if short
+                req.cache = self.cache.admit(req.prompt, req.facts())
+                if req.choice.audit and req.kind == "generate":
+                    req.audit_kv = self.runner.pool.alloc_seq(req.seq_len)  # outside the budget
                     req.auditing = req.audit_kv is not None
+                    if not req.auditing:  # no room for the shadow: this request reuses nothing
+                        req.cache.plan = ReusePlan(matched=req.choice.matched, seq_len=req.choice.seq_len)
+                self.cache.share(req.cache, req.kv)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")

@@ -1,23 +1,20 @@
 """The cache manager: the whole lifecycle of one request's use of the prefix cache.
 
-    admit   match ONCE (the last prompt token excluded), lock the matched path, choose the depth
-            with the request's policy, copy the reused state into the request's private K/V, and
-            reserve pool rows for what the request's first forward will write (a *capture*);
-    commit  after that forward filled the rows: bind them, insert the prompt, record node depths;
+    admit   match ONCE (the last prompt token excluded), lock the matched path, let the planner
+            (bicache/planner.py) choose the reused span, its depth and what to store from the
+            request's facts and each matched row's capture context, point the request's K/V at
+            the reused rows (read in place), and reserve pool rows for what the request's first
+            forward will write (a *capture*);
+    commit  after that forward filled the rows: bind them with their capture context (the
+            request's prompt and its sequence length), insert the prompt, record node depths;
     release when the request leaves: free an uncommitted capture, unlock the path.
 
-Node depth follows use (DESIGN.md section 5). With engine policy b(.), sequence length N, reused
-prefix p (depth d) and reusable prompt length P (the prompt minus its last token):
-
-- store:   tokens the request computes in full (the unmatched rest of the prompt, and matched
-           tokens it did not reuse) are written for layers < b(P / N): the depth a repeat of this
-           prompt would be allowed;
-- upgrade: reused nodes holding fewer than b(p / N) layers get layers [node depth, b(p / N))
-           from this request's forward (its prefix positions are computed there anyway, from
-           layer d on). Those layers come from THIS request's context on top of the reused shallow
-           layers; the shallow layers stay as first written;
-- trim:    under memory pressure, the deepest layers of cold (least recently used, unlocked) nodes
-           go first, halving their depth, before whole nodes are evicted (LRU leaves).
+Node depth follows use (DESIGN.md section 5; the rule is the planner's): positions a request
+computes in full are stored for layers < b(P / N) (a repeat of the prompt), reused positions get
+their node's missing deeper layers from this request's forward (an upgrade, in this request's
+context), and under memory pressure the deepest layers of cold nodes go first (trim), before whole
+LRU leaves are evicted. Each row keeps the context it was captured in (``KVPool.ctx``), so the
+capture-context rule is checked per row, upgraded layers included.
 
 A running request never sees a node change under it: it reads the reused rows where they live
 (its ``SeqKV`` points at them), its path stays locked (locked nodes are never trimmed or
@@ -29,7 +26,7 @@ nothing, so "cache off" is a constructor choice, not a branch elsewhere.
 
 Invariants (``check_integrity``): token slots held + free + in flight == token capacity; rows
 bound in the table + free + in flight == row capacity; every node's tokens have rows exactly for
-layers < its depth.
+layers < its depth; every bound row has a capture context, kept exactly while a row refers to it.
 """
 
 from __future__ import annotations
@@ -43,7 +40,8 @@ import torch
 
 from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree
 
-from ..bicache.policy import NO_REUSE, DepthChoice, DepthPolicy
+from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, common_prefix_len, plan_reuse
+from ..bicache.policy import DepthPolicy
 from ..models.forward_batch import Capture, SeqKV
 from .pool import KVPool
 
@@ -63,7 +61,7 @@ def reusable_prefix(prompt: Sequence[int]) -> Sequence[int]:
 class CacheGrant:
     """What admission gave one request; owned by the request until ``release``."""
 
-    choice: DepthChoice = NO_REUSE
+    plan: ReusePlan = NO_REUSE
     handle: NodeHandle | None = None  # locked end of the match, None once released
     matched_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
     resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
@@ -93,9 +91,10 @@ class CacheManager:
         return self.index.peek_prefix_len(reusable_prefix(prompt))
 
     # ------------------------------------------------------------------------------- lifecycle
-    def admit(self, prompt: Sequence[int], seq_len: int, policy: DepthPolicy, kv: SeqKV | None) -> CacheGrant:
-        """Match, lock, choose the depth under ``policy`` (the request's), point ``kv`` at the
-        reused rows and reserve the capture (none if the pool cannot make room)."""
+    def admit(self, prompt: Sequence[int], facts: RequestFacts) -> CacheGrant:
+        """Match once, lock, let the planner decide (bicache/planner.py) from the request's facts
+        and every matched row's capture context, and reserve the capture (none if the pool cannot
+        make room). The request reads nothing yet: :meth:`share` points its K/V at the rows."""
         key = reusable_prefix(prompt)
         m = self.index.match_prefix(key)
         self.num_lookups += 1
@@ -103,32 +102,39 @@ class CacheManager:
         self.matched_tokens += m.length
         self.num_hits += m.length > 0
         self.index.lock(m.handle)
-        grant = CacheGrant(policy.choose(m.segments, m.length, seq_len), m.handle, np.asarray(m.values, np.int64))
-        d, p = grant.choice.depth, grant.choice.prefix
-        if d > 0 and p > 0 and kv is not None:
-            # Read in place: the path stays locked until release, so these rows cannot change.
-            self.pool.share_prefix(kv, grant.matched_slots[:p], d)
-            if d < self.pool.n_layers:
-                grant.resume_rows = self.pool.table[grant.matched_slots[:p], d - 1].copy()
-        self._reserve(grant, m, len(prompt), seq_len)
+        slots = np.asarray(m.values, np.int64)
+        plan = plan_reuse(self.policy, facts, self._match_facts(prompt, m, slots))
+        grant = CacheGrant(plan, m.handle, slots)
+        self._reserve(grant, plan, m.length, facts.prompt_len)
         return grant
 
-    def _reserve(self, grant: CacheGrant, m, prompt_len: int, seq_len: int) -> None:
-        """Plan and allocate what the first forward writes: (positions, layers) ranges."""
-        p, b = grant.choice.prefix, self.policy.target_depth
-        k_reused = b(p / seq_len) if p else 0
-        k_full = b((prompt_len - 1) / seq_len)
-        ranges: list[tuple[int, int, int, int]] = []  # (start, end, first layer, end layer)
-        start = 0
-        for end, node_depth in m.segments:
-            want = k_reused if end <= p else k_full
-            if node_depth < want:
-                ranges.append((start, end, node_depth, want))
-            start = end
-        n_new = prompt_len - m.length
-        if n_new > 0 and k_full > 0:
-            ranges.append((m.length, prompt_len, 0, k_full))
+    def share(self, grant: CacheGrant, kv: SeqKV | None) -> None:
+        """Point ``kv`` at the rows ``grant.plan`` reuses (read in place: the path stays locked
+        until release, so these rows cannot change). A plan may be given up before this call
+        (e.g. no room for its audit shadow); after it, it may not."""
+        plan, slots = grant.plan, grant.matched_slots
+        d, a, p = plan.depth, plan.start, plan.prefix
+        if d > 0 and p > a and kv is not None:
+            self.pool.share_prefix(kv, slots[a:p], d, start=a)
+            if d < self.pool.n_layers:
+                grant.resume_rows = self.pool.table[slots[a:p], d - 1].copy()
+
+    def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
+        """The match per token and layer: which rows exist, their capture contexts, and how much
+        each context shares with ``prompt``."""
+        table, ctx = self.pool.table[slots], self.pool.ctx[slots]
+        held = table >= 0
+        ids = np.unique(ctx[held]).tolist() if m.length else []
+        me = np.asarray(prompt, dtype=np.int64)
+        contexts = self.pool.contexts
+        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in ids}
+        return MatchFacts(m.length, tuple(m.segments), held, ctx, shared)
+
+    def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
+        """Allocate what the first forward writes: the planner's (positions, layers) ranges."""
+        ranges = plan.store
         n_rows = sum((e - s) * (hi - lo) for s, e, lo, hi in ranges)
+        n_new = prompt_len - matched
         tokens_needed = n_new if n_new > 0 else 0
         if (n_rows == 0 and tokens_needed == 0) or not self._make_room(n_rows, tokens_needed):
             return
@@ -153,9 +159,10 @@ class CacheManager:
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
 
-    def commit(self, prompt: Sequence[int], grant: CacheGrant) -> None:
-        """The first forward has written the capture: bind its rows, insert the prompt (new
-        tokens), and record every node's depth along the path from what the table now holds."""
+    def commit(self, prompt: Sequence[int], grant: CacheGrant, capture_len: int) -> None:
+        """The first forward has written the capture: bind its rows (recording the context they
+        were computed in: ``prompt`` beside ``capture_len`` positions in all), insert the prompt
+        (new tokens), and record every node's depth along the path from what the table now holds."""
         if grant.capture is None:
             return
         grant.capture = None
@@ -167,7 +174,8 @@ class CacheManager:
             layers = np.concatenate([np.full(len(sl), layer, dtype=np.int64) for sl, layer, _ in pending])
             rows = np.concatenate([r for _, _, r in pending])
             self.in_flight_rows -= len(rows)
-            self.pool.rows.free(self.pool.bind(slots, layers, rows))  # rows a concurrent upgrade beat
+            ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
+            self.pool.rows.free(self.pool.bind(slots, layers, rows, ctx))  # rows a concurrent upgrade beat
         handle, new_leaf = grant.handle, None
         if len(new_slots):
             try:
@@ -301,6 +309,12 @@ class CacheManager:
                                                 f"{self.in_flight_rows} != {pool.row_capacity}"
         for node in self.index.lru_nodes():
             assert pool.held_depth(node.value) == node.depth, f"{node!r}: table holds {pool.held_depth(node.value)}"
+        assert np.array_equal(pool.table >= 0, pool.ctx >= 0), "a bound row without a capture context (or back)"
+        ids, counts = np.unique(pool.ctx[pool.ctx >= 0], return_counts=True)
+        refs = pool.contexts.refs()
+        assert dict(zip(ids.tolist(), counts.tolist())) == {c: n for c, n in refs.items() if n}, \
+            "capture-context reference counts do not match the rows that refer to them"
+        assert len(pool.contexts) == len(ids), "a capture context is kept that no row refers to"
 
 
 class NullCacheManager:
@@ -315,10 +329,13 @@ class NullCacheManager:
     def peek(self, prompt: Sequence[int]) -> int:
         return 0
 
-    def admit(self, prompt: Sequence[int], seq_len: int, policy: DepthPolicy, kv: SeqKV | None) -> CacheGrant:
+    def admit(self, prompt: Sequence[int], facts: RequestFacts) -> CacheGrant:
         return CacheGrant()
 
-    def commit(self, prompt: Sequence[int], grant: CacheGrant) -> None:
+    def share(self, grant: CacheGrant, kv: SeqKV | None) -> None:
+        pass
+
+    def commit(self, prompt: Sequence[int], grant: CacheGrant, capture_len: int) -> None:
         grant.capture = None
 
     def release(self, grant: CacheGrant) -> None:

@@ -17,6 +17,12 @@ LLaDA-8B bf16 (kv_dim 4096, hidden 4096): 24 KiB; Dream-7B bf16 (kv_dim 512, hid
 projection work on every hit; for GQA models K/V alone is the cheaper half.) The residual of
 the last layer is never read (a request never resumes after the last layer).
 
+Capture contexts (docs/prefix_cache.md, "The capture-context rule"). Every bound row also records
+the context it was computed in: ``ctx[slot, l]`` is an id into ``contexts`` (the capturing
+request's prompt tokens and the length of the sequence its forward saw, generation positions
+included). A row may serve a request only to the depth the planner derives from the shared
+fraction of the two sequences (bicache/planner.py); the pool only keeps the record.
+
 Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
 """
 
@@ -64,6 +70,60 @@ class SlotAllocator:
         return self._free[:self._n_free].copy()
 
 
+class CaptureContexts:
+    """The contexts rows were captured in: id -> (prompt token ids, sequence length), kept while a
+    bound row refers to it (reference counted per row). Pure bookkeeping."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, np.ndarray] = {}
+        self._seq_len: dict[int, int] = {}
+        self._refs: dict[int, int] = {}
+        self._next = 0
+
+    def new(self, tokens: np.ndarray, seq_len: int) -> int:
+        """Register one capturing forward's context (no reference yet: :meth:`ref` on bind)."""
+        cid = self._next
+        self._next += 1
+        self._tokens[cid] = np.asarray(tokens, dtype=np.int64)
+        self._seq_len[cid] = int(seq_len)
+        self._refs[cid] = 0
+        return cid
+
+    def ref(self, cid: int, n: int) -> None:
+        self._refs[cid] += n
+        if self._refs[cid] == 0:
+            self.forget(cid)
+
+    def unref(self, ids: np.ndarray) -> None:
+        """Drop one reference per entry of ``ids`` (the contexts of rows being freed)."""
+        if len(ids) == 0:
+            return
+        u, c = np.unique(ids, return_counts=True)
+        for cid, n in zip(u.tolist(), c.tolist()):
+            self._refs[cid] -= n
+            if self._refs[cid] <= 0:
+                self.forget(cid)
+
+    def forget(self, cid: int) -> None:
+        """Drop a context no row refers to (an unused registration, or the last row freed)."""
+        if self._refs.get(cid, 0) <= 0:
+            self._tokens.pop(cid, None)
+            self._seq_len.pop(cid, None)
+            self._refs.pop(cid, None)
+
+    def tokens(self, cid: int) -> np.ndarray:
+        return self._tokens[cid]
+
+    def seq_len(self, cid: int) -> int:
+        return self._seq_len[cid]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def refs(self) -> dict[int, int]:
+        return dict(self._refs)
+
+
 class KVPool:
     """Token slots (``tokens``), prefix rows (``rows``), request rows (``request_rows``), the slot ->
     row table, and the ``KVStore`` tensors behind all rows."""
@@ -76,6 +136,8 @@ class KVPool:
         self.rows = SlotAllocator(row_capacity)
         self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity)
         self.table = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)
+        self.ctx = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)  # capture context per row
+        self.contexts = CaptureContexts()
         self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
                                       device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
 
@@ -91,12 +153,13 @@ class KVPool:
         self.request_rows.free(kv.owned)
         kv.owned = np.zeros(0, dtype=np.int64)
 
-    def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int) -> None:
-        """Point ``kv``'s first len(slots) positions at layers < depth to the cached rows (read in
-        place; the caller keeps the node locked) and give back the private rows they replace."""
-        p = len(slots)
-        replaced = kv.rows[:depth, :p].ravel().copy()
-        kv.rows[:depth, :p] = self.rows_of(slots, depth)
+    def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int, start: int = 0) -> None:
+        """Point ``kv``'s positions [start, start + len(slots)) at layers < depth to the cached rows
+        (read in place; the caller keeps the node locked) and give back the private rows they
+        replace."""
+        end = start + len(slots)
+        replaced = kv.rows[:depth, start:end].ravel().copy()
+        kv.rows[:depth, start:end] = self.rows_of(slots, depth)
         self.request_rows.free(replaced)
         kv.owned = np.setdiff1d(kv.owned, replaced, assume_unique=True)
 
@@ -135,18 +198,23 @@ class KVPool:
         return rows
 
     # Bookkeeping (host only).
-    def bind(self, slots: np.ndarray, layers: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``; returns the
-        rows NOT bound because the slot already had that layer (a concurrent upgrade won): the
-        caller frees them."""
+    def bind(self, slots: np.ndarray, layers: np.ndarray, rows: np.ndarray, ctx: int) -> np.ndarray:
+        """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``, captured in
+        context ``ctx`` (from ``contexts.new``); returns the rows NOT bound because the slot
+        already had that layer (a concurrent upgrade won): the caller frees them."""
         new = self.table[slots, layers] < 0
         self.table[slots[new], layers[new]] = rows[new]
+        self.ctx[slots[new], layers[new]] = ctx
+        self.contexts.ref(ctx, int(new.sum()))
         return rows[~new]
 
     def drop_layers(self, slots: np.ndarray, from_layer: int) -> int:
         """Free the rows of layers >= ``from_layer`` of ``slots``; returns rows freed."""
         part = self.table[slots, from_layer:]
-        rows = part[part >= 0]
+        have = part >= 0
+        rows = part[have]
+        self.contexts.unref(self.ctx[slots, from_layer:][have])
+        self.ctx[slots, from_layer:] = -1
         # sorted: the free list hands them out again as ascending runs, so a layer's rows for a
         # later node are contiguous (gathers read runs of memory, not every L-th row)
         self.rows.free(np.sort(rows))

@@ -3,8 +3,8 @@ row layout.
 
 A *sequence* is one row-set of the batch (a request, its classifier-free-guidance shadow, a
 likelihood probe, an audit shadow). Each sequence computes a sorted set of positions. With bicache
-depth d > 0 the first ``skip`` of those positions (the matched prefix S) are not computed in
-layers < d: their K/V at those layers are read where they live, in prefix-pool rows of the shared
+depth d > 0 a contiguous run of ``skip`` of those positions (the reused span S, from entry
+``skip_from``: a short head before it may be recomputed) are not computed in layers < d: their K/V at those layers are read where they live, in prefix-pool rows of the shared
 ``KVStore``, and they join at layer d from the stored residual.
 
 K/V live in ONE store of rows (``KVStore``); a sequence's ``SeqKV.rows[l, j]`` is the row holding
@@ -90,13 +90,14 @@ class SeqWork:
     positions: np.ndarray  # int64 sorted: positions computed (at layers >= depth for S rows)
     logit_positions: np.ndarray  # int64: positions whose final hidden state goes through the LM head
     depth: int = 0
-    skip: int = 0  # leading entries of `positions` that are S (only meaningful when depth > 0)
+    skip: int = 0  # entries of `positions` that are S (only meaningful when depth > 0) ...
+    skip_from: int = 0  # ... starting at this entry: S need not start at position 0
     resume_rows: np.ndarray | None = None  # [skip] prefix-pool rows whose h is S entering layer `depth`
     capture: Capture | None = None
 
     def __post_init__(self) -> None:
         if self.depth == 0 or self.skip == 0:
-            self.depth, self.skip, self.resume_rows = 0, 0, None
+            self.depth, self.skip, self.skip_from, self.resume_rows = 0, 0, 0, None
 
 
 @dataclass
@@ -138,14 +139,14 @@ class ForwardBatch:
             pos.append(s.positions)
             offsets.append(base + len(s.positions))
             depths.append(s.depth)
-            skip_rows.append(np.arange(base, base + s.skip))
+            skip_rows.append(np.arange(base + s.skip_from, base + s.skip_from + s.skip))
             # positions -> rows: positions are sorted, so searchsorted maps exactly
             idx = np.searchsorted(s.positions, s.logit_positions)
             ok = idx < len(s.positions)
             if not (ok.all() and np.all(s.positions[idx[ok]] == s.logit_positions)):
                 raise ValueError("a logit position is not among the computed positions")
             lr = base + idx
-            assert s.skip == 0 or np.all(s.logit_positions >= s.positions[s.skip - 1] + 1), "logit row inside S"
+            assert s.skip == 0 or not np.any((idx >= s.skip_from) & (idx < s.skip_from + s.skip)), "logit row inside S"
             logit_rows.append(lr)
             logit_indptr.append(logit_indptr[-1] + len(lr))
         self.row_ids = torch.cat(ids).to(dev) if ids else torch.empty(0, dtype=torch.long, device=dev)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..bicache.policy import DepthChoice
+from ..bicache.planner import RequestFacts, ReusePlan
 from ..config import DEFAULT_EPS, DREAM_ALGORITHMS, REMASKING, DecodeDefaults, SamplingParams
 from ..constrained import Constraint, ConstraintError, NoCompletion, compile_constraint, constrained_decide
 from ..decoding import (
@@ -162,7 +162,9 @@ class Req:
         # online audit: a no-reuse shadow of the first forward (transient, not in kv_lengths)
         self.audit_kv: SeqKV | None = None
         self.auditing = False  # the next forward carries the audit shadow
-        self.audit_pair: tuple[torch.Tensor, torch.Tensor] | None = None  # (reused, exact) logits
+        # (r, depth, reused logits, exact logits) of the audited first forward, for the audit
+        self.audit_pair: tuple[float, int, torch.Tensor, torch.Tensor] | None = None
+        self.served_exact = False  # audited: continued from the no-reuse forward (answer == cache off)
         # decoding progress
         self.block = 0
         self.step_in_block = 0
@@ -200,8 +202,18 @@ class Req:
 
     # ------------------------------------------------------------------------------ buffers
     @property
-    def choice(self) -> DepthChoice:
-        return self.cache.choice
+    def choice(self) -> ReusePlan:
+        """What this request reuses (the planner's decision; no reuse once served exact)."""
+        return self.cache.plan
+
+    @property
+    def capture_len(self) -> int:
+        """Positions of the forward that captures this request's prefix state (its context)."""
+        return self.seq_len if self.kind == "generate" else self.prompt_len
+
+    def facts(self) -> RequestFacts:
+        """What the planner needs to know about this request."""
+        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, self.exact)
 
     @property
     def exact(self) -> bool:
@@ -286,10 +298,15 @@ class Req:
         if self.plan.dream:
             self._plan_dream(len(masked))
         self._pending = masked
-        depth = self.choice.depth if refresh else 0
-        skip = self.choice.prefix if refresh else 0
+        plan = self.choice
+        depth = plan.depth if refresh else 0
+        skip = plan.reused if refresh else 0
+        # an audited forward captures from its exact shadow: stored rows are then this request's own
+        # context whatever the audit finds
+        capture = None if self.auditing else self.cache.capture
         works.append(SeqWork(self.kv, self.x, positions, masked - self.shift, depth=depth, skip=skip,
-                             resume_rows=self.cache.resume_rows if skip else None, capture=self.cache.capture))
+                             skip_from=plan.start, resume_rows=self.cache.resume_rows if skip else None,
+                             capture=capture))
         if self.uncond is not None:
             x_un, kv_un = self.uncond
             x_un[self.prompt_len:] = self.x[self.prompt_len:]
@@ -297,7 +314,7 @@ class Req:
         if self.needs_score and self.forward_passes == 0:
             works.append(self._score_work())
         if self.auditing:  # first forward only: the same positions without reuse
-            works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift))
+            works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift, capture=self.cache.capture))
         self._count(positions, depth, skip, n_layers)
         return works
 
@@ -353,8 +370,14 @@ class Req:
             self._finish({"type": "length", "length": 0})
             return True
         if self.auditing:
-            self.audit_pair, logits = (logits[0], logits[-1]), logits[:-1]
-            self.auditing = False
+            # The audited request continues from the exact forward (its answer equals cache off):
+            # its logits and its K/V become the shadow's, and later forwards reuse nothing.
+            plan = self.choice
+            self.audit_pair = (plan.r, plan.depth, logits[0], logits[-1])
+            logits = [logits[-1], *logits[1:-1]]
+            self.kv, self.audit_kv = self.audit_kv, self.kv
+            self.cache.plan = ReusePlan(matched=plan.matched, seq_len=plan.seq_len)
+            self.auditing, self.served_exact = False, True
         lg = logits[0]
         k = 1
         if self.uncond is not None:
@@ -625,8 +648,10 @@ class Req:
             "completion_tokens": len(self.out_ids),
             "cached_tokens": self.choice.matched,
             "bicache_depth": self.choice.depth,
-            "prefix_fraction": round(self.choice.r, 6),
-            "reused_prefix_tokens": self.choice.prefix,
+            "prefix_fraction": round(self.choice.prefix_fraction, 6),
+            "reused_prefix_tokens": self.choice.reused,
+            "reused_prefix_start": self.choice.start,
+            "bicache_audited": self.served_exact,
             "skipped_layer_tokens": self.skipped_layer_tokens,
             "computed_layer_tokens": self.computed_layer_tokens,
             "forward_passes": self.forward_passes,

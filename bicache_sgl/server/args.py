@@ -82,6 +82,7 @@ class ServerArgs:
     max_total_tokens: int | None = None  # budget of the running requests' private K/V positions
     bicache_audit_rate: float = 0.02
     bicache_audit_min_agreement: float = 0.9
+    bicache_audit_probation: int | None = None
     # diffusion decoding defaults (a request's sampling_params override them)
     block_length: int = 32
     steps_per_block: int | None = None
@@ -146,6 +147,7 @@ class ServerArgs:
             "max_total_tokens": self.max_total_tokens,
             "bicache_audit_rate": self.bicache_audit_rate,
             "bicache_audit_min_agreement": self.bicache_audit_min_agreement,
+            "bicache_audit_probation": self.bicache_audit_probation,
             "mem_fraction_static": self.mem_fraction_static,
             "bicache_profile": self.bicache_profile,
             "calibration_budget_s": self.calibration_budget_s,
@@ -293,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "profile bucket whose reuse disagrees is lowered (0 turns the audit off).")
     g.add_argument("--bicache-audit-min-agreement", type=float, default=0.9,
                    help="Top-1 agreement at the masked positions below which the audit lowers a bucket.")
+    g.add_argument("--bicache-audit-probation", type=int, default=None,
+                   help="Consecutive agreeing audits a profile bucket needs before its depth is trusted; until "
+                        "then every reusing request in it is audited and answered from its exact forward. "
+                        "Default: 16 for a first-run (auto-calibrated) profile, 0 for a shipped or given one.")
 
     g = p.add_argument_group("diffusion decoding defaults (requests may override in sampling_params)")
     g.add_argument("--block-length", type=int, default=32)
@@ -461,6 +467,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         max_total_tokens=ns.max_total_tokens,
         bicache_audit_rate=ns.bicache_audit_rate,
         bicache_audit_min_agreement=ns.bicache_audit_min_agreement,
+        bicache_audit_probation=ns.bicache_audit_probation,
         block_length=ns.block_length,
         steps_per_block=ns.steps_per_block,
         steps=ns.steps,

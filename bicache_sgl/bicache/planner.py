@@ -1,0 +1,198 @@
+"""The depth decision, in one place: from a request's facts and its radix match, which positions it
+reuses, at what depth, what its first forward stores or upgrades, and whether it is audited.
+
+The capture-context rule (docs/prefix_cache.md). A cached row of token t at layer l was computed in
+ONE forward, the capturing request C's, over C's whole sequence (prompt + generation region). The
+profile's b(r) was measured for state captured in a sequence that shares a fraction r with the one
+reusing it, so the row may serve request B only if
+
+    l < b(shared(C, B)),   shared(C, B) = LCP(prompt_C, prompt_B) / max(N_C, N_B)
+
+where LCP is the common token prefix of the two prompts and N the positions each forward saw. Two
+consequences: a short head shared by every request ("Question: ", a chat template) captured by
+another family's request is usable only at b(head / N), however long the rest of the match; and the
+same prompt captured beside 256 generation positions is not reused at full depth beside 16.
+
+So the planner works per token: ``usable[t]`` is the number of leading layers whose rows exist AND
+pass the rule for their own capture context (upgrades put deeper layers of a token in another
+context, so each layer is checked on its own). It then reuses the one contiguous span
+[start, end) of matched positions and depth d <= min(usable) over it that maximise the skipped work
+(end - start) x d: the reused positions need not start at 0, since recomputing a short head costs
+little. Everything here is numpy bookkeeping, tested without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .policy import DepthPolicy, FixedPolicy, OffPolicy
+
+
+def shared_fraction(lcp: int, capture_len: int, seq_len: int) -> float:
+    """The r that bounds a row captured in a sequence of ``capture_len`` positions when it serves a
+    request of ``seq_len`` positions whose prompt shares ``lcp`` leading tokens with the capturer's."""
+    n = max(capture_len, seq_len)
+    return lcp / n if n > 0 else 0.0
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common leading run of two int arrays (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What the planner needs to know about the request (no policies: the engine passes facts)."""
+
+    prompt_len: int
+    seq_len: int  # N: positions of the request's forward (prompt + generation region)
+    forced_depth: int | None = None  # the request's own ``bicache_depth``
+    exact: bool = False  # likelihood scoring / prefill-only: reuse nothing
+
+
+@dataclass(frozen=True)
+class MatchFacts:
+    """The radix match, per token and layer. ``held[t, l]``: the row exists; ``ctx[t, l]`` its
+    capture context id; ``shared[c] = (lcp, capture_len)`` for every context id in ``ctx``."""
+
+    length: int
+    segments: tuple[tuple[int, int], ...]  # (end_len, node_depth) per node on the path
+    held: np.ndarray  # bool [length, L]
+    ctx: np.ndarray  # int64 [length, L], -1 where no row
+    shared: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, n_layers: int) -> "MatchFacts":
+        return cls(0, (), np.zeros((0, n_layers), dtype=bool), np.zeros((0, n_layers), dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    """What one request reuses and stores. Positions [start, prefix) are reused at ``depth``;
+    ``matched`` is reported as cached_tokens."""
+
+    matched: int = 0
+    prefix: int = 0  # end of the reused span
+    depth: int = 0
+    r: float = 0.0  # the shared fraction that bounded the depth (the audit's bucket)
+    start: int = 0  # first reused position
+    seq_len: int = 0
+    # rows the first forward writes: (first position, end position, first layer, end layer)
+    store: tuple[tuple[int, int, int, int], ...] = ()
+    audit: bool = False
+
+    @property
+    def reused(self) -> int:
+        return self.prefix - self.start
+
+    @property
+    def prefix_fraction(self) -> float:
+        return self.reused / self.seq_len if self.seq_len else 0.0
+
+    @property
+    def skipped_layer_tokens(self) -> int:
+        return self.reused * self.depth
+
+
+NO_REUSE = ReusePlan()
+
+
+def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPolicy:
+    """The policy one request's depth is chosen under: ``exact`` requests reuse nothing; a request's
+    own ``bicache_depth`` fixes its depth (still capped by the rows the match holds); otherwise the
+    engine's policy."""
+    if facts.exact:
+        return OffPolicy(engine_policy.n_layers)
+    if facts.forced_depth is not None:
+        return FixedPolicy(engine_policy.n_layers, facts.forced_depth)
+    return engine_policy
+
+
+def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple[np.ndarray, dict[int, float]]:
+    """Per matched token, the leading layers that exist and pass the capture-context rule under
+    ``policy``; and the shared fraction of each capture context."""
+    m, L = match.held.shape
+    if m == 0:
+        return np.zeros(0, dtype=np.int64), {}
+    r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
+    ids = np.asarray(sorted(r_of), dtype=np.int64)
+    allowed = np.asarray([policy.target_depth(r_of[c]) for c in ids.tolist()], dtype=np.int64)
+    lim = np.zeros(match.ctx.shape, dtype=np.int64)
+    has = match.held & (match.ctx >= 0)
+    if len(ids):
+        lim[has] = allowed[np.searchsorted(ids, match.ctx[has])]
+    ok = has & (np.arange(L)[None, :] < lim)
+    return np.cumprod(ok, axis=1).sum(axis=1), r_of
+
+
+def best_span(usable: np.ndarray) -> tuple[int, int, int]:
+    """(start, end, depth) maximising (end - start) x depth with depth <= usable[start:end];
+    ties go to the longer span. (0, 0, 0) when nothing is usable."""
+    best = (0, 0, 0)
+    best_gain = 0
+    for d in np.unique(usable[usable > 0]).tolist():
+        mask = np.concatenate([[False], usable >= d, [False]])
+        edges = np.flatnonzero(mask[1:] != mask[:-1])
+        starts, ends = edges[0::2], edges[1::2]
+        i = int(np.argmax(ends - starts))
+        s, e = int(starts[i]), int(ends[i])
+        gain = (e - s) * d
+        if gain > best_gain or (gain == best_gain and e - s > best[1] - best[0]):
+            best, best_gain = (s, e, int(d)), gain
+    return best
+
+
+def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFacts, start: int, end: int,
+                 depth: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The rows the request's first forward writes (DESIGN.md section 5: store and upgrade).
+
+    Positions it computes in full (new tokens, matched tokens outside the reused span) get layers
+    up to b(P / N), the depth a repeat of the prompt is allowed (P: the reusable prompt); reused
+    positions, computed from ``depth`` on, get deeper layers up to b(end / N) on top of what their
+    node holds. Everything written is captured in this request's own context."""
+    P, N = facts.prompt_len - 1, facts.seq_len
+    b = engine_policy.target_depth
+    if not engine_policy.uses_cache or N <= 0:
+        return ()
+    k_full = b(P / N) if P > 0 else 0
+    k_span = b(end / N) if end > start else 0
+    out: list[tuple[int, int, int, int]] = []
+    s0 = 0
+    for e0, node_depth in match.segments:
+        cuts = sorted({s0, e0, *(x for x in (start, end) if s0 < x < e0)})
+        for s, e in zip(cuts[:-1], cuts[1:]):
+            in_span = start <= s and e <= end and end > start
+            lo, hi = (max(node_depth, depth), k_span) if in_span else (node_depth, k_full)
+            if lo < hi:
+                out.append((s, e, lo, hi))
+        s0 = e0
+    if facts.prompt_len > match.length and k_full > 0:
+        out.append((match.length, facts.prompt_len, 0, k_full))
+    return tuple(out)
+
+
+def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFacts) -> ReusePlan:
+    """The whole depth decision for one request (see the module docstring)."""
+    policy = request_policy(engine_policy, facts)
+    start = end = depth = 0
+    r_bind = 0.0
+    if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
+        usable, r_of = usable_depths(policy, match, facts.seq_len)
+        start, end, depth = best_span(usable)
+        if depth > 0:
+            # the binding fraction: the least-shared context among the rows reused and the layer
+            # right below them (the one that stopped the depth, when a context did)
+            used = np.unique(match.ctx[start:end, :depth + 1])
+            r_bind = min(r_of[int(c)] for c in used.tolist() if c >= 0)
+    audit = False
+    if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
+        audit = engine_policy.audit.should_audit(r_bind)
+    return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len,
+                     store_ranges(engine_policy, facts, match, start, end, depth), audit)
