@@ -121,15 +121,15 @@ class _Store:
         self._private += L * n_pos
         return SeqKV(rows.reshape(L, n_pos).copy(), rows)
 
-    def reuse(self, n_pos: int, p: int, d: int, kvs, resume_h):
-        """A sequence whose first p positions read cached K/V ``kvs[li] = (k, v)`` at layers < d
+    def reuse(self, n_pos: int, p: int, d: int, kvs, resume_h, a: int = 0):
+        """A sequence whose positions [a, p) read cached K/V ``kvs[li] = (k, v)`` at layers < d
         and resume at d from ``resume_h`` (stored with the rows of layer d - 1)."""
         kv = self.seq(n_pos)
         resume_rows = None
         for li in range(d):
             h = resume_h if li == d - 1 and d < self.cfg.n_layers else None
-            rows = self.prefix(kvs[li][0][:p], kvs[li][1][:p], h)
-            kv.rows[li, :p] = rows
+            rows = self.prefix(kvs[li][0][a:p], kvs[li][1][a:p], h)
+            kv.rows[li, a:p] = rows
             if h is not None:
                 resume_rows = rows
         return kv, resume_rows
@@ -371,25 +371,30 @@ def reference_states(m, ids):
     return states
 
 
-def reference_depth_forward(m, ids, p, d, cached):
-    """Outputs (unshifted logits, [N, V]) of the sequence ``ids`` whose first p positions reuse
+def reference_depth_forward(m, ids, p, d, cached, a=0):
+    """Outputs (unshifted logits, [N, V]) of the sequence ``ids`` whose positions [a, p) reuse
     ``cached`` (reference_states of another sequence with the same first p tokens) at depth d:
     in layers < d those positions are not computed and their K/V are the cached ones; at layer d
-    they resume from the cached residual entering layer d. Rows < p are NaN when d == L."""
+    they resume from the cached residual entering layer d. Positions < a (a recomputed head) and
+    >= p are computed at every layer. Rows in [a, p) are NaN when d == L."""
     N, L = len(ids), m["L"]
     pos = torch.arange(N)
     x = m["emb"][torch.tensor(ids)].clone()
     if d > 0:
-        x[:p] = float("nan")  # never computed below d: any use of it would show
+        x[a:p] = float("nan")  # never computed below d: any use of it would show
+    keep = torch.cat([torch.arange(a), torch.arange(p, N)])  # positions computed below d
     for li, w in enumerate(m["layers"]):
         if li == d and 0 < d < L:
-            x[:p] = cached[d][0][:p]
-        lo = p if li < d else 0
-        q, k, v = _qkv(m, w, x[lo:], pos[lo:])
-        if lo:
-            k = torch.cat([cached[li][1][:p], k])
-            v = torch.cat([cached[li][2][:p], v])
-        x[lo:] = _attend_and_mlp(m, w, x[lo:], q, k, v)
+            x[a:p] = cached[d][0][a:p]
+        if li < d and p > a:
+            q, k, v = _qkv(m, w, x[keep], pos[keep])
+            # keys in position order: the head, the cached span, the rest
+            k = torch.cat([k[:a], cached[li][1][a:p], k[a:]])
+            v = torch.cat([v[:a], cached[li][2][a:p], v[a:]])
+            x[keep] = _attend_and_mlp(m, w, x[keep], q, k, v)
+        else:
+            q, k, v = _qkv(m, w, x, pos)
+            x = _attend_and_mlp(m, w, x, q, k, v)
     return _rms(x, m["lnf"], m["eps"]) @ m["head"].T
 
 
@@ -430,31 +435,38 @@ def test_depth_d_forward_matches_an_independent_reference(fixture, request):
             for a, b in ((h_r, h_o), (k_r, k_o), (v_r, v_o)):
                 assert torch.allclose(a, b.double(), atol=1e-5), (fixture, li)
 
-        def work(st, d, main=main, p=p, cached=cached, want=want):
-            """The runtime's unit of work: this sequence at depth d, its first p positions skipped
+        def work(st, d, a=0, main=main, p=p, cached=cached, want=want):
+            """The runtime's unit of work: this sequence at depth d, its positions [a, p) skipped
             below d (their K/V read in place from prefix rows, as the engine shares pool rows)."""
-            resume = cached[d][0][:p] if 0 < d < L else None
-            kv, resume_rows = st.reuse(len(main), p, d, [(c[1], c[2]) for c in cached], resume)
-            return SeqWork(kv, torch.tensor(main), np.arange(len(main)), want - shift, depth=d, skip=p,
-                           resume_rows=resume_rows)
+            resume = cached[d][0][a:p] if 0 < d < L else None
+            kv, resume_rows = st.reuse(len(main), p, d, [(c[1], c[2]) for c in cached], resume, a)
+            return SeqWork(kv, torch.tensor(main), np.arange(len(main)), want - shift, depth=d, skip=p - a,
+                           skip_from=a, resume_rows=resume_rows)
 
         def store(N=N, p=p):
-            return _Store(cfg, (L + 1) * L * N, (L + 1) * L * p, dev)
+            return _Store(cfg, 2 * (L + 1) * L * N, 2 * (L + 1) * L * p, dev)
 
-        refs = [reference_depth_forward(m, main, p, d, cached)[want - shift] for d in range(L + 1)]
-        # every depth alone, then all depths in one batch (mixed depths in one forward)
-        alone = []
-        for d in range(L + 1):
+        # the reused span from position 0, and one that leaves a recomputed head of p // 3 tokens
+        by_a = {}
+        for a in (0, p // 3):
+            refs = by_a[a] = [reference_depth_forward(m, main, p, d, cached, a)[want - shift] for d in range(L + 1)]
+            # every depth alone, then all depths in one batch (mixed depths in one forward)
+            alone = []
+            for d in range(L + 1):
+                st = store()
+                alone.append(model.forward_batch(ForwardBatch([work(st, d, a)], dev, st.store).build(L),
+                                                 attn).double())
             st = store()
-            alone.append(model.forward_batch(ForwardBatch([work(st, d)], dev, st.store).build(L), attn).double())
-        st = store()
-        mixed = model.forward_batch(ForwardBatch([work(st, d) for d in range(L + 1)], dev, st.store).build(L),
-                                    attn).double()
-        for d in range(L + 1):
-            err = float((alone[d] - refs[d]).abs().max())
-            assert err < 1e-5, (fixture, p, d, err)
-            err = float((mixed[d * G:(d + 1) * G] - refs[d]).abs().max())
-            assert err < 1e-5, (fixture, p, d, "mixed", err)
+            mixed = model.forward_batch(ForwardBatch([work(st, d, a) for d in range(L + 1)], dev,
+                                                     st.store).build(L), attn).double()
+            for d in range(L + 1):
+                err = float((alone[d] - refs[d]).abs().max())
+                assert err < 1e-5, (fixture, p, a, d, err)
+                err = float((mixed[d * G:(d + 1) * G] - refs[d]).abs().max())
+                assert err < 1e-5, (fixture, p, a, d, "mixed", err)
+            if a:  # a head recomputed: the result differs from reusing the whole prefix
+                assert any(float((refs[d] - by_a[0][d]).abs().max()) > 1e-4 for d in range(1, L + 1)), (fixture, p)
+        refs = by_a[0]
         # the comparison has teeth: reuse from another context moves the logits far beyond the
         # tolerance at every depth (at d = 1 through the residual entering layer 1)
         for d in range(1, L + 1):

@@ -14,7 +14,7 @@ import torch
 from bicache_sgl import Engine
 from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile
 from bicache_sgl.calibration import auto, synth
-from bicache_sgl.config import EngineConfig
+from bicache_sgl.config import DEFAULT_PROBATION, EngineConfig
 from bicache_sgl.models.loader import default_model_path
 from bicache_sgl.testing_planted import expected_answer, make_planted_llada
 from bicache_sgl.training import task
@@ -53,7 +53,7 @@ def _counts():
     return dict(auto.stats)
 
 
-def test_bundled_copy_reuses_from_the_first_reusing_request_and_restart_uses_the_cache(bundled_copy, caplog):
+def test_bundled_copy_audits_on_probation_and_restart_uses_the_cache(bundled_copy, caplog):
     items = task.heldout_items(3, 6, seed=0)
     assert items[0]["prefix"] == items[1]["prefix"] == items[2]["prefix"]
     sp = {"temperature": 0, "max_new_tokens": 8}
@@ -68,7 +68,10 @@ def test_bundled_copy_reuses_from_the_first_reusing_request_and_restart_uses_the
         first = eng.generate(items[0]["prompt"], sp)  # computes the prefix and caches it
         second = eng.generate(items[1]["prompt"], sp)  # the first request that can reuse it
         m = second["meta_info"]
-        assert m["bicache_depth"] > 0 and m["reused_prefix_tokens"] >= len(items[1]["prefix"]) - 1, m
+        # a first-run profile is on probation: the reusing request is audited and answered exact
+        assert m["bicache_audited"] and m["bicache_depth"] == 0 and m["cached_tokens"] > 0, m
+        st = eng.get_stats()
+        assert st["bicache_audit_probation"] > 0 and st["bicache_audit_served_exact_total"] == 1, st
         assert first["text"].strip() == items[0]["answer"] and second["text"].strip() == items[1]["answer"]
     finally:
         eng.shutdown()
@@ -77,7 +80,8 @@ def test_bundled_copy_reuses_from_the_first_reusing_request_and_restart_uses_the
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="bicache_sgl.calibration.auto"):
-        eng = Engine(str(bundled_copy))  # a restart: the cached profile, no calibration
+        # a restart: the cached profile, no calibration (trusted at once here, to see it reused)
+        eng = Engine(str(bundled_copy), bicache_audit_probation=0)
     try:
         assert _counts()["calibrations"] == before["calibrations"] + 1
         assert _counts()["cache_hits"] == before["cache_hits"] + 1
@@ -105,7 +109,10 @@ def test_none_keeps_depth_zero(bundled_copy, caplog):
     assert not (Path(auto.cache_dir()) / "profiles").exists()
 
 
-def test_planted_model_calibrates_to_at_most_its_safe_depth(planted):
+def test_planted_model_without_a_profile_answers_as_cache_off_and_reuses_after_probation(planted):
+    """No profile and no calibration data: the first-run profile is measured on synthesised prompts,
+    never deeper than the safe depth K; every request answers as cache off does (the planted task's
+    answer) from the first one, the first reusing ones audited on probation, then reused."""
     eng = Engine(planted)
     try:
         prof = eng.profile
@@ -114,11 +121,19 @@ def test_planted_model_calibrates_to_at_most_its_safe_depth(planted):
         assert prof.lookup(0.8) == K, prof.table  # and it finds the safe depth, not just 0
         for d in prof.extra["depth_first_step"]:
             assert d is None or d <= K
-        # served: B reuses the prefix A stored and still answers its own digit
-        a = eng.generate(PLANTED_PREFIX + "Question 3: which digit?", PLANTED_SP)
-        b = eng.generate(PLANTED_PREFIX + "Question 7: which digit?", PLANTED_SP)
-        assert a["text"] == expected_answer("3") * 8 and b["text"] == expected_answer("7") * 8
-        assert 0 < b["meta_info"]["bicache_depth"] <= K and b["meta_info"]["reused_prefix_tokens"] > 0
+        # served: every request answers its own digit; reuse starts once the bucket is trusted
+        probation = eng.get_stats()["bicache_audit_probation"]
+        assert probation == DEFAULT_PROBATION
+        metas = []
+        for i in range(probation + 5):
+            d = str(i % 10)
+            out = eng.generate(PLANTED_PREFIX + f"Question {d}: which digit?", PLANTED_SP)
+            assert out["text"] == expected_answer(d) * 8, (i, out["meta_info"])
+            metas.append(out["meta_info"])
+        audited = [m["bicache_audited"] for m in metas]
+        assert audited[1:probation + 1] == [True] * probation and not any(audited[probation + 1:]), audited
+        later = [m["bicache_depth"] for m in metas[probation + 1:]]
+        assert all(0 < d <= K for d in later) and all(m["reused_prefix_tokens"] > 0 for m in metas[probation + 1:])
     finally:
         eng.shutdown()
 

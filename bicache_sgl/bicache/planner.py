@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -167,7 +168,7 @@ def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFa
     s0 = 0
     for e0, node_depth in match.segments:
         cuts = sorted({s0, e0, *(x for x in (start, end) if s0 < x < e0)})
-        for s, e in zip(cuts[:-1], cuts[1:]):
+        for s, e in pairwise(cuts):
             in_span = start <= s and e <= end and end > start
             lo, hi = (max(node_depth, depth), k_span) if in_span else (node_depth, k_full)
             if lo < hi:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from ..bicache.planner import ReusePlan
 from ..bicache.policy import make_policy
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
-from ..bicache.planner import ReusePlan
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..kv_cache.manager import make_cache_manager
 from ..kv_cache.memory import plan_memory

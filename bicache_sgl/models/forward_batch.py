@@ -4,8 +4,9 @@ row layout.
 A *sequence* is one row-set of the batch (a request, its classifier-free-guidance shadow, a
 likelihood probe, an audit shadow). Each sequence computes a sorted set of positions. With bicache
 depth d > 0 a contiguous run of ``skip`` of those positions (the reused span S, from entry
-``skip_from``: a short head before it may be recomputed) are not computed in layers < d: their K/V at those layers are read where they live, in prefix-pool rows of the shared
-``KVStore``, and they join at layer d from the stored residual.
+``skip_from``: a short head before it may be recomputed) are not computed in layers < d: their
+K/V at those layers are read where they live, in prefix-pool rows of the shared ``KVStore``, and
+they join at layer d from the stored residual.
 
 K/V live in ONE store of rows (``KVStore``); a sequence's ``SeqKV.rows[l, j]`` is the row holding
 its K/V of layer l at position j (a private row, or a prefix-pool row for reused S positions at
