@@ -178,10 +178,14 @@ def test_server_reports_node_depth_upgrades_and_audit(tiny_llada, tmp_path):
         assert st["prefix_cache_upgrades_total"] >= 1 and st["prefix_cache_trimmed_layer_tokens_total"] == 0
         assert st["prefix_cache_stored_layer_tokens"] > st["prefix_cache_used_tokens"]  # some tokens hold > 1 layer
         assert set(st["prefix_cache_depth_histogram"]) >= {"4"}
-        assert st["bicache_audit_samples_total"] == 1  # the one reusing request was audited
+        assert st["bicache_audit_samples_total"] == 1  # the one reusing request was audited ...
+        assert st["bicache_audit_served_exact_total"] == 1  # ... and answered from its exact forward
+        assert [b["depth"] for b in st["bicache_audit_buckets"]] == [0, 1, 2, 4]
         with urllib.request.urlopen(rt.url + "/metrics", timeout=30) as r:
             text = r.read().decode()
         for name in ("prefix_cache_stored_layer_tokens", "prefix_cache_upgrades_total",
                      "prefix_cache_trimmed_layer_tokens_total", "prefix_cache_depth_histogram_4",
-                     "bicache_audit_samples_total"):
+                     "bicache_audit_samples_total", "bicache_audit_served_exact_total",
+                     "bicache_audit_disagreements_total", "bicache_audit_depth_changes_total",
+                     "bicache_audit_bucket_depth_r70", "bicache_audit_bucket_trusted_r70"):
             assert f"bicache_sgl:{name}" in text, name

@@ -76,6 +76,7 @@ class DepthAudit:
         self.disagreements = 0
         self.served_exact = 0
         self.history: list[dict] = []  # depth changes, oldest first (at most MAX_HISTORY)
+        self.changes = 0
 
     def _index(self, r: float) -> int:
         i = 0
@@ -133,6 +134,7 @@ class DepthAudit:
         log.warning("bicache audit: at r=%.2f the reused forward agreed with the exact one on %.0f%% of masked "
                     "positions (KL %.3g) < %.0f%%: bucket r >= %.2f goes from depth %d to %d (on probation)",
                     r, 100 * agree, kl, 100 * self.min_agreement, b.r_lo, old, new)
+        self.changes += 1
         self.history.append({"r_from": b.r_lo, "from": old, "to": new, "at_r": round(r, 6),
                              "top1_agreement": agree})
         del self.history[:-MAX_HISTORY]
@@ -156,4 +158,9 @@ class DepthAudit:
                      "top1_agreement": b.agree_sum / b.samples if b.samples else None,
                      "kl": b.kl_sum / b.samples if b.samples else None} for b in self._buckets],
                 "bicache_audit_depth_changes": list(self.history),
+                "bicache_audit_depth_changes_total": self.changes,
+                # per bucket, keyed by its lowest r in percent (flat numbers for /metrics)
+                "bicache_audit_bucket_depth": {f"r{round(100 * b.r_lo)}": b.depth for b in self._buckets},
+                "bicache_audit_bucket_trusted": {f"r{round(100 * b.r_lo)}": int(b.streak >= self.probation)
+                                                 for b in self._buckets},
             }
