@@ -239,12 +239,17 @@ def test_synthesised_prompts():
     tok = load_tokenizer(default_model_path())
     made = synth.synthesize(tok, 8, min_tokens=100, max_tokens=200)
     assert made == synth.synthesize(tok, 8, min_tokens=100, max_tokens=200)  # deterministic
-    assert [g for g, _ in made] == ["text", "fewshot"] * 4
+    assert [g for g, _ in made] == ["text", "fewshot", "chat", "headed"] * 2
     for g, text in made:
         assert 90 <= len(tok.encode(text)) <= 260
+        digits = [c for c in text if c.isdigit()]
         if g == "text":
             assert text[-1].isdigit()  # the question's number is the last token: never in a shared prefix
+        elif g == "chat":
+            assert len(digits) == 1 and "ystem" in text  # one digit, in the user turn
         else:
             assert text.endswith("?\nAnswer:") and "Question: " in text
+        if g == "headed":
+            assert text.startswith(synth.HEADED_HEAD) and len(digits) == 1
     last_digits = [next(c for c in reversed(t) if c.isdigit()) for _, t in made]
     assert all(x != y for x, y in itertools.pairwise(last_digits))  # neighbours ask different things

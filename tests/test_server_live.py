@@ -731,3 +731,117 @@ def test_tp_size_above_one_stops_the_launch(tmp_path):
 
     with pytest.raises(RuntimeError, match="tensor parallelism is not implemented; use --tp-size 1"):
         Runtime(model_path=str(tmp_path / "never-loaded"), tp_size=2, timeout=60, log_path=str(tmp_path / "log"))
+
+
+# ------------------------------------------------------------------------------------------------
+# SGLang's contract, frame by frame (issue 20)
+# ------------------------------------------------------------------------------------------------
+
+def test_every_streamed_frame_carries_the_whole_meta_info(server):
+    """SGLang puts every field in every frame: logprobs of everything so far, the cache fields."""
+    r = post(server, "/generate", {"text": "frames", "stream": True, "return_logprob": True,
+                                   "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}, stream=True)
+    chunks = sse_events(r)[:-1]
+    assert len(chunks) >= 3
+    final = chunks[-1]["meta_info"]
+    for c in chunks:
+        m = c["meta_info"]
+        for key in ("output_token_logprobs", "output_token_logprobs_length", "input_token_logprobs",
+                    "bicache_depth", "cached_tokens", "prompt_tokens", "completion_tokens"):
+            assert key in m, (key, m)
+        n = len(c["output_ids"])
+        assert m["output_token_logprobs_length"] == n == len(m["output_token_logprobs"])
+        assert m["output_token_logprobs"] == final["output_token_logprobs"][:n]  # a prefix of the final reply's
+        assert m["cached_tokens"] == final["cached_tokens"]
+
+
+def test_incremental_streaming_slices_logprobs_with_the_text(tmp_path):
+    """With --incremental-streaming-output each frame's logprobs are the new entries, as its ids."""
+    from bicache_sgl.runtime import Runtime
+    from bicache_sgl.testing import make_tiny_llada
+
+    model = make_tiny_llada(tmp_path / "m")
+    with Runtime(model_path=model, block_length=BLOCK, steps_per_block=2, threshold="none", num_threads=1,
+                 incremental_streaming_output=True, skip_server_warmup=True, timeout=180) as rt:
+        r = requests.post(rt.url + "/generate", json={"text": "inc", "stream": True, "return_logprob": True,
+                                                      "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}},
+                          stream=True, timeout=120)
+        chunks = sse_events(r)[:-1]
+        assert sum(len(c["output_ids"]) for c in chunks) == 24
+        for c in chunks:
+            assert len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]), c["meta_info"]
+
+
+def test_abort_all_ends_every_request_with_abort(server):
+    import concurrent.futures
+
+    def long_request(i):
+        return gen(server, {"text": f"abort all {i}", "sampling_params": {"max_new_tokens": 256, "ignore_eos": True,
+                                                                          "steps_per_block": 8}})
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(long_request, i) for i in range(3)]
+        deadline = time.time() + 60
+        while _running(server) < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        r = post(server, "/abort_request", {"abort_all": True})
+        assert r.status_code == 200, r.text
+        outs = [f.result(timeout=120) for f in futs]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs), [o["meta_info"] for o in outs]
+    assert post(server, "/abort_request", {"abort_all": "yes"}).status_code == 400
+    assert post(server, "/abort_request", {}).status_code == 400  # neither rid nor abort_all
+
+
+def test_empty_lora_path_means_no_adapter(server, oai):
+    assert gen(server, {"text": "hi", "lora_path": "", "sampling_params": {"max_new_tokens": 4}})["text"] is not None
+    assert gen(server, {"text": ["a", "b"], "lora_path": ["", None], "sampling_params": {"max_new_tokens": 4}})
+    oai.completions.create(model="tiny-llada", prompt="hi", max_tokens=4, extra_body={"lora_path": ""})
+    r = post(server, "/generate", {"text": "hi", "lora_path": "my-adapter", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 400 and "lora_path" in r.text
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_accepted(server, tokenizer):
+    out = gen(server, {"text": "stop ids", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True,
+                                                                "stop_token_ids": [10**6]}})
+    assert out["meta_info"]["completion_tokens"] == 8  # can never occur: no effect
+    r = post(server, "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "stop_token_ids": ["a"]}})
+    assert r.status_code == 400 and "stop_token_ids" in r.text  # malformed is still refused
+
+
+def test_openai_chat_usage_and_deltas_have_sglang_keys(oai):
+    r = oai.chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.usage.model_dump()["reasoning_tokens"] == 0
+    stream = oai.chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=8, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    for ch in chunks:
+        for c in ch.choices:
+            assert c.delta.reasoning_content is None and c.delta.tool_calls is None
+    assert chunks[-1].usage.model_dump()["reasoning_tokens"] == 0
+
+
+def test_context_rule_is_prompt_plus_max_new_tokens(server):
+    """A prompt that fits with max_new_tokens but not with the region rounded up to whole blocks is
+    served (the last block cut short); past the context it is a 400."""
+    ids = [5] * (CONTEXT - 4)
+    out = gen(server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    assert out["meta_info"]["completion_tokens"] == 4
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 5}})
+    assert r.status_code == 400 and "context length" in r.text
+
+
+def test_sglang_streamed_program_with_logprobs_matches_the_final_reply(sgl):
+    """A frontend program with return_logprob=True and stream=True: every chunk parses (an
+    intermediate frame without logprobs broke the client), and the final meta_info holds one
+    logprob per generated token, the ids of the answer."""
+    @sgl.function
+    def prog(s):
+        s += "Logprobs, streamed: "
+        s += sgl.gen("answer", max_tokens=16, ignore_eos=True, temperature=0, return_logprob=True)
+
+    state = prog.run(stream=True)
+    pieces = list(state.text_iter("answer"))
+    assert pieces and "".join(pieces) == state["answer"]
+    streamed = state.get_meta_info("answer")
+    lps = streamed["output_token_logprobs"]
+    assert len(lps) == 16 and all(isinstance(lp, float) and lp <= 0 for lp, _, *_ in lps)
+    assert streamed["completion_tokens"] == 16

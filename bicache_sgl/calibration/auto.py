@@ -53,16 +53,17 @@ from .data import (
     tokenize,
 )
 from .measure import AgreementMeter, depth_from_agreement, mean_rows, safe_table
-from .synth import synthesize
+from .synth import SHAPES, synthesize
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "BICACHE_SGL_CACHE"  # cache root; default ~/.cache/bicache_sgl
-# part of the cache key: bump when what is measured changes (2: pairs keep their question whole)
-VERSION = 2
+# part of the cache key: bump when what is measured changes (2: pairs keep their question whole;
+# 3: four prompt shapes, chat and a shared head included)
+VERSION = 3
 MIN_AGREEMENT = 0.9
 GEN_LENGTH = 32
-PROMPTS_PER_GROUP = 6  # synthesised prompts of each shape
+PROMPTS_PER_GROUP = 4  # synthesised prompts of each shape (synth.SHAPES)
 MAX_DATA_SAMPLES = 24  # samples used from --calibration-data
 DECODE_ROUNDS = 2  # decoding check: samples per (shape, bucket)
 FIRST_STEP_SHARE = 0.5  # of the budget, for the first-step meter beyond its first round
@@ -258,7 +259,7 @@ class AutoCalibration:
                 raise DataError(f"{self.cfg.calibration_data}: no usable samples")
         else:
             hi = max(16, min(320, self.max_len - self.gens[0] - 8))
-            made = synthesize(tok, 2 * PROMPTS_PER_GROUP, min_tokens=min(128, hi), max_tokens=hi)
+            made = synthesize(tok, len(SHAPES) * PROMPTS_PER_GROUP, min_tokens=min(128, hi), max_tokens=hi)
             records = [Record(i + 1, "prompt", text=text) for i, (_, text) in enumerate(made)]
             groups = {i + 1: g for i, (g, _) in enumerate(made)}
             samples = tokenize(records, tok.encode, None)

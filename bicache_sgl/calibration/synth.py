@@ -113,11 +113,51 @@ def _fewshot_prompt(w: _Writer, target: int, digit: str, header: str) -> str:
     return header + "".join(shots) + final
 
 
+HEADED_HEAD = "You are a helpful assistant. Read the instructions below and answer the last question.\n\n"
+
+
+def _paragraph(w: _Writer, target: int) -> str:
+    out: list[str] = []
+    while w.n_tokens(" ".join(out)) < target:
+        out.append(w.sentence())
+    return " ".join(out)
+
+
+def _chat(tokenizer, system: str, user: str) -> str:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if isinstance(text, str) and user in text:
+            return text
+    except Exception:  # no template (or none that takes a system turn): the plain one below
+        pass
+    return f"System: {system}\n\nUser: {user}\n\nAssistant:"
+
+
+def _chat_prompt(w: _Writer, target: int, digit: str) -> str:
+    part = w.rng.choice(["first", "second", "last", "middle"])
+    user = f"In the {part} part, which {w.phrase(1, 3)} is meant? Say it with the number {digit}"
+    system = _paragraph(w, max(8, target - w.n_tokens(user) - 24))
+    return _chat(w.tok, system, user)
+
+
+def _headed_prompt(w: _Writer, target: int, digit: str) -> str:
+    final = f"Question: {w.phrase(3, 7)} {digit}?\nAnswer:"
+    system = _paragraph(w, max(8, (target - w.n_tokens(HEADED_HEAD + final)) // 2)) + "\n\n"
+    shots: list[str] = []
+    while w.n_tokens(HEADED_HEAD + system + "".join(shots) + final) < target:
+        shots.append(f"Question: {w.phrase(3, 8)}?\nAnswer: {w.phrase(1, 3)}\n\n")
+    return HEADED_HEAD + system + "".join(shots) + final
+
+
+SHAPES = ("text", "fewshot", "chat", "headed")
+
+
 def synthesize(tokenizer, num_prompts: int = 16, *, min_tokens: int = 128, max_tokens: int = 320,
                seed: int = 0) -> list[tuple[str, str]]:
-    """``num_prompts`` (group, prompt text) pairs, alternating the ``text`` and ``fewshot`` shapes,
-    each about ``min_tokens``..``max_tokens`` tokens long. Consecutive prompts end with different
-    numbers (0-9), so any two neighbours' questions differ."""
+    """``num_prompts`` (group, prompt text) pairs, cycling through ``SHAPES``, each about
+    ``min_tokens``..``max_tokens`` tokens long. Consecutive prompts end with different numbers
+    (0-9), so any two neighbours' questions differ."""
     rng = random.Random(seed)
     w = _Writer(tokenizer, word_pool(tokenizer, seed=seed), rng)
     digits = list(_DIGITS)
@@ -127,8 +167,13 @@ def synthesize(tokenizer, num_prompts: int = 16, *, min_tokens: int = 128, max_t
     for i in range(num_prompts):
         target = rng.randint(min_tokens, max(min_tokens, max_tokens))
         digit = digits[i % len(digits)]
-        if i % 2 == 0:
-            out.append(("text", _text_prompt(w, target, digit)))
+        shape = SHAPES[i % len(SHAPES)]
+        if shape == "text":
+            out.append((shape, _text_prompt(w, target, digit)))
+        elif shape == "fewshot":
+            out.append((shape, _fewshot_prompt(w, target, digit, header)))
+        elif shape == "chat":
+            out.append((shape, _chat_prompt(w, target, digit)))
         else:
-            out.append(("fewshot", _fewshot_prompt(w, target, digit, header)))
+            out.append((shape, _headed_prompt(w, target, digit)))
     return out

@@ -174,6 +174,14 @@ class Engine:
                 self._aborts.add(rid)
                 self._cv.notify_all()
 
+    def abort_all(self) -> int:
+        """Abort every queued and running request (SGLang's ``abort_all``)."""
+        with self._cv:
+            rids = set(self._by_rid)
+            self._aborts |= rids
+            self._cv.notify_all()
+        return len(rids)
+
     # ------------------------------------------------------------------------------ engine loop
     def start(self) -> None:
         with self._cv:

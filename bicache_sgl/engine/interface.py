@@ -39,6 +39,9 @@ class EngineClient(Protocol):
     def abort(self, rid: str) -> None:
         """Abort a queued or running request (its final event carries finish_reason abort)."""
 
+    def abort_all(self) -> int:
+        """Abort every queued and running request; returns how many were asked to stop."""
+
     def flush_cache(self, timeout: float = 30.0) -> bool:
         """Drop every cached prefix not in use; False on timeout."""
 

@@ -422,6 +422,14 @@ class EngineProcessClient:
             if self._dead is None and not self._closed:
                 self._req.send(_dumps(("abort", rid)))
 
+    def abort_all(self) -> int:
+        """Abort every request this client has in flight (each then ends with an abort event)."""
+        with self._lock:
+            rids = list(self._pending)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
     def flush_cache(self, timeout: float = 30.0) -> bool:
         try:
             return bool(self._call(("flush", None, timeout), timeout + STATS_TIMEOUT_S, "flush_cache"))

@@ -70,7 +70,7 @@ def _first(*values: Any) -> Any:
 class DecodePlan:
     """A request's resolved diffusion settings."""
 
-    gen_len: int  # generation region (whole blocks)
+    gen_len: int  # generation region (whole blocks; the last one clipped to fit the context)
     block_length: int
     steps_per_block: int
     threshold: float | None
@@ -256,7 +256,7 @@ class Req:
     @property
     def block_range(self) -> tuple[int, int]:
         s = self.prompt_len + self.block * self.plan.block_length
-        return s, s + self.plan.block_length
+        return s, min(s + self.plan.block_length, self.seq_len)
 
     def _needs_refresh(self) -> bool:
         p = self.plan
@@ -682,8 +682,10 @@ class Req:
         return m
 
     def event(self) -> RequestEvent:
+        """Every event carries the whole meta_info so far (logprobs of everything decoded, the
+        cache fields), as SGLang puts every field in every streamed frame."""
         return RequestEvent(self.rid, self.text, list(self.out_ids), self.finished, self.finish_reason,
-                            self.meta_info() if self.finished else {"id": self.rid}, self.error)
+                            self.meta_info(), self.error)
 
 
 class RequestFactory:
@@ -714,13 +716,17 @@ class RequestFactory:
         if plan.dream and plan.steps_per_block > MAX_DREAM_STEPS:
             raise ValueError(f"steps: Dream's schedule ({plan.algorithm}) runs at most {MAX_DREAM_STEPS} steps per "
                              f"block, got {plan.steps_per_block}")
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"context length {self.context_length}")
         if len(ids) + plan.gen_len > self.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus generation region ({plan.gen_len} positions, "
-                             f"max_new_tokens rounded up to whole blocks) exceeds the context length "
-                             f"{self.context_length}")
-        bad = [t for t in greq.params.stop_token_ids if t >= V]  # would index past the logits
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
+            # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
+            plan = dataclasses.replace(plan, gen_len=self.context_length - len(ids))
+        if any(t >= V for t in greq.params.stop_token_ids):
+            # ids outside the vocabulary can never be generated: accepted (as SGLang does) and dropped,
+            # since the stop set also bans its members from early positions by index
+            kept = tuple(t for t in greq.params.stop_token_ids if t < V)
+            greq = dataclasses.replace(greq, params=greq.params.replace(stop_token_ids=kept))
         if greq.return_logprob and greq.logprob_start_len >= len(ids):
             raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
         if greq.top_logprobs_num < 0:

@@ -74,6 +74,12 @@ def _none_or_all_none(value: Any, body: Mapping[str, Any]) -> bool:
     return isinstance(value, list) and all(v is None for v in value)
 
 
+def _no_adapter(value: Any, body: Mapping[str, Any]) -> bool:
+    """SGLang's "no adapter": None or "" (some clients send "" on every request), or a list of them."""
+    items = value if isinstance(value, list) else [value]
+    return all(v is None or v == "" for v in items)
+
+
 def _empty_list(value: Any, body: Mapping[str, Any]) -> bool:
     return value == []
 
@@ -106,8 +112,8 @@ GENERATE_REFUSED: dict[str, Refused] = {
     "return_routed_experts": Refused("the models served here have no experts", (False,)),
     "return_bytes": Refused("text is returned as a string", (False,)),
     "session_params": Refused("sessions"),
-    "lora_path": Refused("LoRA adapters", (), _none_or_all_none),
-    "lora_id": Refused("LoRA adapters", (), _none_or_all_none),
+    "lora_path": Refused("LoRA adapters", (), _no_adapter),
+    "lora_id": Refused("LoRA adapters", (), _no_adapter),
     "custom_logit_processor": Refused("custom logit processors"),
     "bootstrap_host": Refused(_PD),
     "bootstrap_port": Refused(_PD),
@@ -167,7 +173,7 @@ def _no_tools(body: Mapping[str, Any]) -> bool:
 
 _COMMON_REFUSED: dict[str, Refused] = {
     **{k: _sampling_refused(k) for k in ("ebnf", "structural_tag", "no_stop_trim", "spaces_between_special_tokens")},
-    "lora_path": Refused("LoRA adapters", (), _none_or_all_none),
+    "lora_path": Refused("LoRA adapters", (), _no_adapter),
     "session_params": Refused("sessions"),
     "return_hidden_states": Refused("hidden states are not returned", (False,)),
     "rid": Refused("caller-chosen request ids on /v1 routes; use /generate"),

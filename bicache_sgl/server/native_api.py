@@ -138,10 +138,18 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
+    """SGLang's abort: ``{"rid": ...}`` for one request, ``{"abort_all": true}`` for every one in
+    flight (each ends with finish_reason ``abort``)."""
     body = require_object(parse_json_body(await request.body(), allow_empty=True) or {})
+    abort_all = body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise APIError("abort_all must be a boolean", param="abort_all")
+    if abort_all:
+        await asyncio.to_thread(get_state(request).engine.abort_all)
+        return Response(status_code=200)
     rid = body.get("rid")
     if not isinstance(rid, str) or not rid:
-        raise APIError("rid must be a non-empty string", param="rid")
+        raise APIError("rid must be a non-empty string (or pass abort_all: true)", param="rid")
     await asyncio.to_thread(get_state(request).engine.abort, rid)
     return Response(status_code=200)
 

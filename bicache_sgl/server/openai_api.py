@@ -224,7 +224,9 @@ def usage(items: list[Item], finals: list[RequestEvent]) -> dict[str, int]:
             seen.add(it.prompt_index)
             prompt += len(it.input_ids)
     completion = sum(len(f.output_ids or []) for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # reasoning_tokens: SGLang always sends it (0 without a reasoning parser, as here)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "reasoning_tokens": 0}
 
 
 def finish(fr: Any) -> tuple[str | None, Any]:
@@ -571,6 +573,8 @@ class ChatJob(Job):
 
     def chunk(self, i: int, delta: dict, reason: str | None = None, matched: Any = None,
               lps: dict | None = None) -> bytes:
+        # every delta carries SGLang's four keys, null when empty (clients read delta.reasoning_content)
+        delta = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None, **delta}
         return sse(self.envelope([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason,
                                    "matched_stop": matched}], None, "chat.completion.chunk"))
 
