@@ -371,14 +371,23 @@ BAD = [
     ("chat template raises", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hello <|mask|> there"}], "max_tokens": 8},
      "the mask token may not appear in a message"),
-    # out-of-vocabulary stop ids with min_new_tokens used to raise IndexError inside the engine step
-    ("stop id past vocab (native)", "/generate",
-     {"text": "x", "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 2, "stop_token_ids": [100000]}},
-     "stop_token_ids"),
-    ("stop id past vocab (openai)", "/v1/completions",
-     {"prompt": "x", "max_tokens": 8, "min_tokens": 2, "stop_token_ids": [100000]}, "stop_token_ids"),
     ("seed too large", "/generate", {"text": "x", "sampling_params": {"seed": 2**64}}, "seed"),
 ]
+
+
+def test_stop_ids_past_the_vocabulary_are_served_as_sglang_does(server):
+    """Out-of-vocabulary stop ids with min_new_tokens once raised IndexError inside the engine step;
+    SGLang accepts them (they can never be generated), so they are dropped and the request served."""
+    for path, body in (("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 2,
+                                                                         "ignore_eos": True,
+                                                                         "stop_token_ids": [100000]}}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 8, "min_tokens": 2, "ignore_eos": True,
+                                            "stop_token_ids": [100000]})):
+        r = requests.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        usage = r.json().get("usage") or {}
+        meta = r.json().get("meta_info") or {}
+        assert (usage.get("completion_tokens") or meta.get("completion_tokens")) == 8
 
 
 def test_failing_request_does_not_affect_others(server):
