@@ -390,6 +390,11 @@ class EngineConfig:
     # consecutive agreeing audits a bucket needs before it is trusted (None: DEFAULT_PROBATION for a
     # first-run profile, 0 for a shipped or given one); until then every reusing request is audited
     bicache_audit_probation: int | None = None
+    # multi-turn reuse: a finished request's prompt + answer is inserted into the prefix cache by one
+    # prefill-only forward over it (its capture context: exactly that conversation so far). Off by
+    # default: on this project's CPU numbers the extra forward costs more than the reuse it buys
+    # (docs/prefix_cache.md, "Multi-turn: caching finished outputs")
+    cache_output: bool = False
     decode: DecodeDefaults = field(default_factory=DecodeDefaults)
     random_seed: int = 0
     chat_template: str | None = None

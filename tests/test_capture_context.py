@@ -220,3 +220,32 @@ def test_a_too_deep_first_run_profile_answers_as_cache_off_from_the_first_reques
         assert depths[:5] == [0] * 5 and sum(depths[-4:]) > 0  # exact while on probation, reuse after
     finally:
         eng.shutdown()
+
+
+# ------------------------------------------------------------------------ multi-turn reuse of answers
+def test_multiturn_reuse_of_cached_answers_answers_as_cache_off(engines):
+    """With cache_output, each finished request's prompt + answer is inserted (one prefill-only
+    forward, the answer final); turn t + 1 then matches turn t's answer too, reused under the
+    capture-context rule, and every turn's answer equals cache off."""
+    off, _ = engines
+    on = Engine(prefix_cache="bicache", bicache_audit_rate=0.0, cache_output=True, num_threads=1)
+    try:
+        for keys, code in (("YWDRU", "2"), ("KHIME", "0"), ("ABCFG", "7")):
+            conv = {e: "\n\n".join(f"Question: {k}\nAnswer: {code}" for k in keys) for e in (off, on)}
+            prev_len = None
+            for q in keys[::-1] + "Z":
+                outs = {}
+                for e in (off, on):
+                    conv[e] += f"\n\nQuestion: {q}\nAnswer:"
+                    outs[e] = e.generate(conv[e], P)
+                    conv[e] += outs[e]["text"]
+                assert outs[on]["text"] == outs[off]["text"], (keys, q)
+                meta = outs[on]["meta_info"]
+                if prev_len is not None:  # the previous turn's prompt AND answer came from the cache
+                    assert meta["cached_tokens"] >= prev_len, (meta, prev_len)
+                    assert meta["bicache_depth"] > 0
+                prev_len = meta["prompt_tokens"] + meta["completion_tokens"]
+        assert on.get_stats()["prefix_cache_output_captures_total"] == 18  # 3 conversations x 6 turns
+        on.check_integrity()
+    finally:
+        on.shutdown()

@@ -114,6 +114,7 @@ class Engine:
         self.stats = {"num_forward_passes": 0, "num_finished_reqs": 0, "generated_tokens": 0,
                       "computed_layer_tokens": 0, "skipped_layer_tokens": 0}
         self.finish_reasons: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.output_captures = 0  # finished requests whose prompt + answer were queued for the cache
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
@@ -136,7 +137,7 @@ class Engine:
         reqs = [self._prepare(g, cb) for g, cb in zip(greqs, on_events)]
         with self._cv:
             limit = self.config.max_queued_requests
-            if limit is not None and len(self.scheduler.waiting) + len(self._inbox) + len(reqs) > limit:
+            if limit is not None and self._num_waiting() + len(reqs) > limit:
                 raise QueueFullError(f"the request queue is full ({limit} waiting)")
             rids = [r.rid for r in reqs]
             clash = next((rid for i, rid in enumerate(rids) if rid in self._by_rid or rid in rids[:i]), None)
@@ -331,6 +332,9 @@ class Engine:
             self.scheduler.finished(req)
         self.cache.release(req.cache)
         req.free_buffers(self.runner.free_kv)
+        if req.internal:
+            return
+        self._capture_output(req)
         st = self.stats
         st["num_finished_reqs"] += 1
         reason = (req.finish_reason or {}).get("type", "abort")
@@ -340,6 +344,31 @@ class Engine:
         st["skipped_layer_tokens"] += req.skipped_layer_tokens
         self._by_rid.pop(req.rid, None)
         self._emit(req)
+
+    def _num_waiting(self) -> int:
+        """Clients' requests waiting (the engine's own output captures are not counted)."""
+        return sum(not r.internal for r in self.scheduler.waiting) + len(self._inbox)
+
+    def _capture_output(self, req: Req) -> None:
+        """Multi-turn reuse: queue one prefill-only forward over a finished request's prompt and
+        answer, which inserts them into the prefix cache. The answer's state is captured where it
+        is final (no masks left), in the context of exactly this conversation so far; turn 2 then
+        reuses it as far as the capture-context rule allows (docs/prefix_cache.md)."""
+        if not (self.config.cache_output and self.cache.enabled and self.policy.max_node_depth > 0):
+            return
+        reason = (req.finish_reason or {}).get("type")
+        if req.kind != "generate" or reason not in ("stop", "length") or not req.out_ids:
+            return
+        ids = req.prompt + [t for t in req.out_ids if t != req.mask_id]
+        if len(ids) > self.context_length:
+            return
+        try:
+            cap = self.requests.build(GenerateRequest(ids, SamplingParams(max_new_tokens=0)), None)
+        except ValueError:  # nothing to capture that the engine would accept
+            return
+        cap.internal = True
+        self.output_captures += 1
+        self.scheduler.add(cap)
 
     def _emit(self, req: Req) -> None:
         if req.on_event is None:
@@ -410,10 +439,11 @@ class Engine:
         total = st["computed_layer_tokens"] + st["skipped_layer_tokens"]
         return {
             "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.scheduler.waiting) + len(self._inbox),
+            "num_waiting_reqs": self._num_waiting(),
             **st,
             "saved_compute_fraction": st["skipped_layer_tokens"] / total if total else 0.0,
             "finished_reqs_by_reason": dict(self.finish_reasons),
+            "prefix_cache_output_captures_total": self.output_captures,
             "prefix_cache_mode": self.config.prefix_cache,
             "request_kv_budget_tokens": self.scheduler.kv_budget,
             "request_kv_used_tokens": self.scheduler.kv_in_use,

@@ -165,6 +165,7 @@ class Req:
         # (r, depth, reused logits, exact logits) of the audited first forward, for the audit
         self.audit_pair: tuple[float, int, torch.Tensor, torch.Tensor] | None = None
         self.served_exact = False  # audited: continued from the no-reuse forward (answer == cache off)
+        self.internal = False  # the engine's own work (an output capture): no events, not in the stats
         # decoding progress
         self.block = 0
         self.step_in_block = 0
@@ -213,7 +214,9 @@ class Req:
 
     def facts(self) -> RequestFacts:
         """What the planner needs to know about this request."""
-        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, self.exact)
+        # an output capture (internal) may reuse its own prompt's rows: its result is only state
+        exact = self.exact and not self.internal
+        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, exact)
 
     @property
     def exact(self) -> bool:
@@ -334,7 +337,10 @@ class Req:
 
     def _prefill_work(self) -> SeqWork:
         pos = np.arange(self.prompt_len, dtype=np.int64)
-        return SeqWork(self.kv, self.x, pos, np.zeros(0, dtype=np.int64), capture=self.cache.capture)
+        plan = self.choice  # no reuse unless this is an output capture (facts: exact otherwise)
+        return SeqWork(self.kv, self.x, pos, np.zeros(0, dtype=np.int64), depth=plan.depth, skip=plan.reused,
+                       skip_from=plan.start, resume_rows=self.cache.resume_rows if plan.reused else None,
+                       capture=self.cache.capture)
 
     def _score_work(self) -> SeqWork:
         """Input likelihoods (DESIGN.md section 8): mask positions [s, n) together and read

@@ -83,6 +83,7 @@ class ServerArgs:
     bicache_audit_rate: float = 0.02
     bicache_audit_min_agreement: float = 0.9
     bicache_audit_probation: int | None = None
+    cache_output: bool = False
     # diffusion decoding defaults (a request's sampling_params override them)
     block_length: int = 32
     steps_per_block: int | None = None
@@ -148,6 +149,7 @@ class ServerArgs:
             "bicache_audit_rate": self.bicache_audit_rate,
             "bicache_audit_min_agreement": self.bicache_audit_min_agreement,
             "bicache_audit_probation": self.bicache_audit_probation,
+            "cache_output": self.cache_output,
             "mem_fraction_static": self.mem_fraction_static,
             "bicache_profile": self.bicache_profile,
             "calibration_budget_s": self.calibration_budget_s,
@@ -299,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Consecutive agreeing audits a profile bucket needs before its depth is trusted; until "
                         "then every reusing request in it is audited and answered from its exact forward. "
                         "Default: 16 for a first-run (auto-calibrated) profile, 0 for a shipped or given one.")
+    g.add_argument("--cache-output", action="store_true",
+                   help="Multi-turn reuse: insert each finished request's prompt + answer into the prefix cache "
+                        "(one extra prefill-only forward per request), so the next turn also reuses the answer. "
+                        "Off by default: see docs/prefix_cache.md for when it pays.")
 
     g = p.add_argument_group("diffusion decoding defaults (requests may override in sampling_params)")
     g.add_argument("--block-length", type=int, default=32)
@@ -468,6 +474,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         bicache_audit_rate=ns.bicache_audit_rate,
         bicache_audit_min_agreement=ns.bicache_audit_min_agreement,
         bicache_audit_probation=ns.bicache_audit_probation,
+        cache_output=ns.cache_output,
         block_length=ns.block_length,
         steps_per_block=ns.steps_per_block,
         steps=ns.steps,
