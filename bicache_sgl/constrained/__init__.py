@@ -36,6 +36,7 @@ cached per (constraint, tokenizer, end ids, limits). See docs/structured.md.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -44,14 +45,29 @@ import torch
 
 from .constraint import Constraint, ConstraintState
 from .errors import ConstraintError, NoCompletion
-from .index import Limits, build_index, shutdown_worker
+from .index import Limits, build_index, cache_info, shutdown_worker
 from .json_schema import json_object_regex, schema_to_regex
 from .regex import choices_regex, escape, prepare_regex
 from .vocab import TokenTable, token_table
 
-__all__ = ["KINDS", "Constraint", "ConstraintError", "ConstraintState", "Limits", "NoCompletion", "TokenTable",
-           "choices_regex", "compile_constraint", "constrained_decide", "constraint_regex", "escape",
-           "schema_to_regex", "shutdown_worker", "token_table"]
+__all__ = [
+    "KINDS",
+    "Constraint",
+    "ConstraintError",
+    "ConstraintState",
+    "Limits",
+    "NoCompletion",
+    "TokenTable",
+    "cache_info",
+    "choices_regex",
+    "compile_constraint",
+    "constrained_decide",
+    "constraint_regex",
+    "escape",
+    "schema_to_regex",
+    "shutdown_worker",
+    "token_table",
+]
 
 KINDS = ("regex", "json_schema", "json_object", "choices")
 
@@ -109,8 +125,12 @@ def compile_constraint(kind: str, spec: Any, tokenizer, *, end_ids=None, limits:
         if hit is not None:
             _CACHE.move_to_end(key)
             return hit
-    regex = prepare_regex(constraint_regex(kind, spec), max_positions=limits.max_regex_positions)
-    c = Constraint(kind, regex, build_index(regex, table, limits), ends)
+    try:
+        regex = prepare_regex(constraint_regex(kind, spec), max_positions=limits.max_regex_positions)
+        c = Constraint(kind, regex, build_index(regex, table, limits), ends)
+    except RecursionError:  # a schema or regex nested past what the parsers recurse through
+        raise ConstraintError(f"{kind} too large: it nests more deeply than the server's parsers allow "
+                              f"(Python recursion limit {sys.getrecursionlimit()}); flatten it") from None
     with _LOCK:
         _CACHE[key] = c
         while len(_CACHE) > CACHE_SIZE or (len(_CACHE) > 1 and sum(x.n_edges for x in _CACHE.values()) > CACHE_EDGES):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import select
 import struct
 import subprocess
@@ -59,7 +60,7 @@ class IndexData:
 
 
 class _Worker:
-    """The build worker process (one per Python process, used under a lock)."""
+    """One build worker process (borrowed from the pool by one build at a time)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
@@ -143,29 +144,78 @@ class _Worker:
         return res
 
 
-_WORKER = _Worker()
-_LOCK = threading.RLock()
+BUILD_WORKERS = 2  # build worker processes: at most this many fresh builds run at once
+
+
+class _WorkerPool:
+    """Idle build workers; a build borrows one, so a slow build holds only its own worker (never
+    the cache, never the other builds)."""
+
+    def __init__(self, size: int) -> None:
+        self._all = [_Worker() for _ in range(size)]
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        for w in self._all:
+            self._idle.put(w)
+
+    def build(self, table: TokenTable, regex: str, limits: Limits) -> dict:
+        try:
+            worker = self._idle.get(timeout=limits.build_timeout_s)
+        except queue.Empty:
+            raise ConstraintError(f"the server is busy building other constraints (every one of its {len(self._all)} "
+                                  f"build workers stayed busy for {limits.build_timeout_s:g} s); try again") from None
+        try:
+            return worker.build(table, regex, limits)
+        finally:
+            self._idle.put(worker)
+
+    def kill(self) -> None:
+        for w in self._all:
+            w.kill()
+
+    def alive(self) -> int:
+        return sum(w.proc is not None and w.proc.poll() is None for w in self._all)
+
+
+_WORKERS = _WorkerPool(BUILD_WORKERS)
+_LOCK = threading.Lock()  # the cache and the in-flight table only, never held during a build
 _CACHE: OrderedDict[tuple, IndexData | ConstraintError] = OrderedDict()
+_INFLIGHT: dict[tuple, threading.Event] = {}  # a key being built: later callers wait for it
 CACHE_SIZE = 64  # entries
 CACHE_EDGES = 4_000_000  # class edges held by cached indexes, all together
+
+
+def _cached(key: tuple) -> IndexData | None:
+    hit = _CACHE.get(key)
+    if hit is None:
+        return None
+    _CACHE.move_to_end(key)
+    if isinstance(hit, ConstraintError):
+        raise ConstraintError(str(hit))
+    return hit
 
 
 def build_index(regex: str, table: TokenTable, limits: Limits) -> IndexData:
     """The token-level index of an already validated ``regex`` over ``table`` (cached per
     (regex, token table, limits); failures are cached too, so a pathological regex sent again
-    is refused at once)."""
+    is refused at once). The same key built by two callers at once is built once."""
     key = (regex, table.fingerprint, limits)
-    with _LOCK:
-        hit = _CACHE.get(key)
-        if hit is not None:
-            _CACHE.move_to_end(key)
-            if isinstance(hit, ConstraintError):
-                raise ConstraintError(str(hit))
-            return hit
+    while True:
+        with _LOCK:
+            hit = _cached(key)
+            if hit is not None:
+                return hit
+            pending = _INFLIGHT.get(key)
+            if pending is None:
+                _INFLIGHT[key] = done = threading.Event()
+                break
+        if not pending.wait(limits.build_timeout_s + 30.0):
+            raise ConstraintError(f"regex too complex: another request's build of it did not finish within "
+                                  f"{limits.build_timeout_s:g} s")
+    try:
         t0 = time.perf_counter()
         try:
             if limits.isolate:
-                res = _WORKER.build(table, regex, limits)
+                res = _WORKERS.build(table, regex, limits)
             else:
                 try:
                     res = _indexer.build(list(table.tokens), regex, limits.max_states, limits.max_token_edges)
@@ -176,12 +226,36 @@ def build_index(regex: str, table: TokenTable, limits: Limits) -> IndexData:
                                       f"(limit {limits.max_class_edges})")
             data = IndexData(build_s=time.perf_counter() - t0, **res)
         except ConstraintError as e:
-            _CACHE[key] = e
-            _trim()
+            if "server is busy" not in str(e):  # a busy pool is not the regex's fault: not cached
+                with _LOCK:
+                    _CACHE[key] = e
+                    _trim()
             raise
-        _CACHE[key] = data
-        _trim()
+        with _LOCK:
+            _CACHE[key] = data
+            _trim()
         return data
+    finally:
+        with _LOCK:
+            _INFLIGHT.pop(key, None)
+        done.set()
+
+
+def seed(regex: str, table: TokenTable | str, limits: Limits, data: IndexData) -> None:
+    """Put an index built elsewhere (another process, same tokenizer) into the cache, so the same
+    constraint is not built twice (the server process validates, the engine process serves)."""
+    fp = table if isinstance(table, str) else table.fingerprint
+    with _LOCK:
+        _CACHE.setdefault((regex, fp, limits), data)
+        _trim()
+
+
+def cache_info() -> dict[str, int]:
+    """Sizes for /get_server_info: cached indexes, their class edges, builds in flight, workers."""
+    with _LOCK:
+        return {"constraint_index_cache_entries": len(_CACHE),
+                "constraint_index_cache_edges": sum(len(v.src) for v in _CACHE.values() if isinstance(v, IndexData)),
+                "constraint_builds_in_flight": len(_INFLIGHT), "constraint_build_workers_alive": _WORKERS.alive()}
 
 
 def _trim() -> None:
@@ -192,6 +266,5 @@ def _trim() -> None:
 
 
 def shutdown_worker() -> None:
-    """Stop the build worker (it is restarted on the next isolated build)."""
-    with _LOCK:
-        _WORKER.kill()
+    """Stop the build workers (each is restarted on its next isolated build)."""
+    _WORKERS.kill()

@@ -9,8 +9,10 @@ thread budget (:func:`default_engine_threads`).
 Wire protocol (pickled tuples, two PUSH/PULL pairs over ``ipc://``, both bound by the parent):
 
 parent -> child:
-  ``("submit", [GenerateRequest], reply_id | None)``, ``("abort", rid)``, ``("flush", reply_id, timeout)``,
-  ``("stats", reply_id)``, ``("shutdown", timeout)``
+  ``("submit", [GenerateRequest], reply_id | None, [(regex, limits, IndexData)])`` (the constraint
+  indexes the parent built validating them, so the child does not build them again; the child
+  queues submissions on a small thread pool, off its message loop), ``("abort", rid)``,
+  ``("flush", reply_id, timeout)``, ``("stats", reply_id)``, ``("shutdown", timeout)``
 child -> parent:
   ``("ready", info)`` | ``("startup_error", exception)``, ``("events", [RequestEvent])`` (batched),
   ``("reply", reply_id, value, exception | None)``, ``("bye",)``
@@ -51,11 +53,15 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
 
 from ..config import EngineConfig
+from ..constrained import token_table
+from ..constrained.index import Limits
+from ..constrained.index import seed as seed_index
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..runtime import describe_exit
 
@@ -63,6 +69,7 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 STATS_TIMEOUT_S = 10.0
+SUBMIT_WORKERS = 2  # engine-process threads that queue submitted requests (building their constraints)
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 
 
@@ -219,23 +226,49 @@ def engine_main(config: EngineConfig, req_address: str, event_address: str, log_
                 out.put(("reply", reply_id, None, _portable_error(e)))
         threading.Thread(target=run, name="bicache-engine-call", daemon=True).start()
 
+    submit_pool = ThreadPoolExecutor(SUBMIT_WORKERS, thread_name_prefix="bicache-submit")
+    submitting: set[str] = set()  # rids whose submit runs in the pool
+    early_aborts: set[str] = set()  # aborts that arrived before their request was queued
+    submitting_lock = threading.Lock()
+
+    def submit(greqs: list, reply_id: int | None, seeds: list) -> None:
+        try:
+            for regex, limits, data in seeds:
+                seed_index(regex, token_table(engine.tokenizer), limits, data)
+            engine.submit_many(greqs, callbacks * len(greqs))
+        except Exception as e:  # the parent validated already; answered either way
+            if reply_id is not None:
+                out.put(("reply", reply_id, None, _portable_error(e)))
+            else:
+                for g in greqs:
+                    out.put(_failed_event(g.rid or "", f"the engine refused the request: {e}"))
+        else:
+            if reply_id is not None:
+                out.put(("reply", reply_id, True, None))
+        finally:
+            with submitting_lock:
+                late = [g.rid for g in greqs if g.rid in early_aborts]
+                for g in greqs:
+                    submitting.discard(g.rid)
+                    early_aborts.discard(g.rid)
+            for rid in late:
+                engine.abort(rid)
+
     while True:
         msg = pickle.loads(inbox.recv())
         kind = msg[0]
         if kind == "submit":
-            greqs, reply_id = msg[1], msg[2]
-            try:
-                engine.submit_many(greqs, callbacks * len(greqs))
-            except Exception as e:  # the parent validated already; answered either way
-                if reply_id is not None:
-                    out.put(("reply", reply_id, None, _portable_error(e)))
-                else:
-                    for g in greqs:
-                        out.put(_failed_event(g.rid or "", f"the engine refused the request: {e}"))
-            else:
-                if reply_id is not None:
-                    out.put(("reply", reply_id, True, None))
+            # off the message loop (a constraint may still take seconds to build here), in a small
+            # pool: aborts, stats and flushes keep being answered meanwhile
+            greqs, reply_id, seeds = msg[1], msg[2], msg[3]
+            with submitting_lock:
+                submitting.update(g.rid for g in greqs)
+            submit_pool.submit(submit, greqs, reply_id, seeds)
         elif kind == "abort":
+            with submitting_lock:
+                if msg[1] in submitting:  # its submit is still running: abort it right after
+                    early_aborts.add(msg[1])
+                    continue
             engine.abort(msg[1])
         elif kind == "stats":
             try:
@@ -378,6 +411,13 @@ class EngineProcessClient:
         """The engine's own checks (``RequestFactory.build``, K/V budget included), run here."""
         self._factory.build(greq, None)
 
+    def _validated(self, greq: GenerateRequest) -> list:
+        """Validate, and return the constraint indexes this built ((regex, limits, IndexData)), which
+        the engine process then takes instead of building them again."""
+        req = self._factory.build(greq, None)
+        c = req.constraint
+        return [] if c is None else [(c.regex, Limits(), c.index)]
+
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         return self.submit_many([greq], [on_event])[0]
 
@@ -385,8 +425,9 @@ class EngineProcessClient:
                     on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:
         self._check_alive()
         sent: list[GenerateRequest] = []
+        seeds: list = []
         for g in greqs:
-            self.validate(g)
+            seeds += self._validated(g)
             # the texts of logprob entries are decoded here (receiver thread), not on the engine's loop
             sent.append(dataclasses.replace(g, rid=g.rid or uuid.uuid4().hex, return_text_in_logprobs=False))
         rids = [g.rid for g in sent]
@@ -403,7 +444,7 @@ class EngineProcessClient:
             if reply is not None:
                 reply_id = next(self._reply_ids)
                 self._replies[reply_id] = reply
-            self._req.send(_dumps(("submit", sent, reply_id)))
+            self._req.send(_dumps(("submit", sent, reply_id, seeds)))
         if reply is not None:
             try:
                 self._await(reply, STATS_TIMEOUT_S, "submitting the request", reply_id)

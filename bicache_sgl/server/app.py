@@ -23,12 +23,14 @@ from contextlib import asynccontextmanager
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from bicache_sgl.engine.interface import EngineClient
 from bicache_sgl.engine.process import EngineDeadError
 from bicache_sgl.server import native_api, openai_api
 from bicache_sgl.server.args import ServerArgs
-from bicache_sgl.server.middleware import AuthAndCount
+from bicache_sgl.server.middleware import CLIENT_CLOSED, AuthAndCount
 from bicache_sgl.server.protocol import APIError
 from bicache_sgl.server.responses import ORJSONResponse, error_response
 from bicache_sgl.server.state import ServerState
@@ -60,6 +62,7 @@ def create_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     app.add_middleware(AuthAndCount, state=state)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(EngineDeadError, engine_dead_handler)
+    app.add_exception_handler(ClientDisconnect, client_gone_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     add_routes(app, native_api.router)
     add_routes(app, openai_api.router)
@@ -83,6 +86,13 @@ async def api_error_handler(request: Request, exc: Exception) -> ORJSONResponse:
 async def engine_dead_handler(request: Request, exc: Exception) -> ORJSONResponse:
     """The engine process is gone: every route that needs it answers 503 (so does /health)."""
     return error_response(request.url.path, APIError(f"the engine is not running: {exc}", status=503))
+
+
+async def client_gone_handler(request: Request, exc: Exception) -> Response:
+    """The client hung up before its request was read or answered: an abort, not a server error
+    (logged at info; 499 in /metrics, and nobody reads the answer)."""
+    logger.info("client went away during %s", request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> ORJSONResponse:

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 
 from bicache_sgl.engine.interface import EngineClient
 from bicache_sgl.io_struct import GenerateRequest, QueueFullError, RequestEvent
@@ -43,8 +44,10 @@ class Submission:
     """Engine requests submitted for one HTTP request; events arrive as (index, RequestEvent)."""
 
     def __init__(self, engine: EngineClient, items: Sequence[Item],
-                 on_finish: Callable[[int, RequestEvent, float], None] | None = None):
+                 on_finish: Callable[[int, RequestEvent, float], None] | None = None,
+                 executor: Executor | None = None):
         self.engine = engine
+        self.executor = executor  # where submit() runs (None: the loop's default pool)
         self.items = list(items)
         self.rids: list[str | None] = [None] * len(self.items)
         self.finished = [False] * len(self.items)
@@ -99,7 +102,7 @@ class Submission:
                     self.engine.abort(rid)
 
         try:
-            await loop.run_in_executor(None, submit_all)
+            await loop.run_in_executor(self.executor, submit_all)
         except asyncio.CancelledError:
             self._cancelled = True
             self.abort()

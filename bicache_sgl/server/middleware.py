@@ -40,9 +40,10 @@ class AuthAndCount:
 
     async def _reject(self, scope: dict, send: Send, err: APIError) -> None:
         body = dumps(error_body(scope.get("path", ""), err))
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if err.status == 413:
-            headers.append((b"connection", b"close"))  # the unread body makes the connection unusable
+        # the request's body is never read here, so the connection cannot carry another request (and a
+        # malformed chunked body would make h11 fail on it): close it after this answer
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self.state.metrics.on_http(self._route_label(scope), err.status)
@@ -66,7 +67,15 @@ class AuthAndCount:
                 await self._reject(scope, send, _too_large(declared, limit))
                 return
             receive = _limited_receive(receive, limit)
-        status = [500]
+        status: list[int | None] = [None]
+        gone = [False]  # the client hung up (a disconnect is the client's doing, not a server error)
+        inner_receive = receive  # (possibly the size-limited one)
+
+        async def receive_and_note() -> dict:
+            message = await inner_receive()
+            if message.get("type") == "http.disconnect":
+                gone[0] = True
+            return message
 
         async def send_and_note(message: dict) -> None:
             if message.get("type") == "http.response.start":
@@ -74,9 +83,13 @@ class AuthAndCount:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive_and_note, send_and_note)
         finally:
-            self.state.metrics.on_http(self._route_label(scope), status[0])
+            code = status[0] if status[0] is not None else (CLIENT_CLOSED if gone[0] else 500)
+            self.state.metrics.on_http(self._route_label(scope), code)
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": counted in /metrics for a request nobody waited for
 
 
 def _too_large(size: int | None, limit: int) -> APIError:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
 
+from bicache_sgl.constrained import cache_info as constraint_cache_info
 from bicache_sgl.engine.interface import EngineClient
 from bicache_sgl.engine.process import EngineDeadError
 from bicache_sgl.io_struct import RequestEvent
@@ -20,6 +22,9 @@ from bicache_sgl.server.metrics import Metrics
 from bicache_sgl.server.protocol import APIError, Item
 
 logger = logging.getLogger("bicache_sgl.server")
+
+SUBMIT_THREADS = 4  # server threads validating and submitting requests
+STATS_WAIT_S = 2.0  # an info route waits this long for the engine's counters, then answers the last ones
 
 
 class ServerState:
@@ -41,6 +46,12 @@ class ServerState:
         self.draining = False  # shutting down: new requests get 503, running ones finish or are aborted
         self.created = int(time.time())
         self.last_probe_ok = 0.0
+        # submissions (validation builds constraints: milliseconds to seconds) get their own bounded
+        # pool, so /abort_request, /flush_cache and /metrics never wait behind them
+        self.submit_pool = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="bicache-submit")
+        self._stats_call: asyncio.Future | None = None
+        self._last_stats: dict[str, Any] = {}
+        self._last_stats_at = 0.0
 
     @property
     def ready(self) -> bool:
@@ -89,7 +100,7 @@ class ServerState:
 
     def new_submission(self, items: list[Item]) -> Submission:
         """A :class:`Submission` whose finished requests are counted in the metrics."""
-        sub = Submission(self.engine, items)
+        sub = Submission(self.engine, items, executor=self.submit_pool)
 
         def on_finish(i: int, ev: RequestEvent, elapsed: float) -> None:
             self.record_finish(sub.items[i], ev, elapsed, sub.first_output[i])
@@ -98,13 +109,24 @@ class ServerState:
         return sub
 
     async def engine_stats(self) -> dict[str, Any]:
+        """The engine's counters; when the engine does not answer within ``STATS_WAIT_S`` (busy),
+        the last ones it gave, marked with their age (one call in flight at a time)."""
+        if self._stats_call is None or self._stats_call.done():
+            self._stats_call = asyncio.ensure_future(asyncio.to_thread(self.engine.get_stats))
         try:
-            return dict(await asyncio.to_thread(self.engine.get_stats) or {})
+            stats = dict(await asyncio.wait_for(asyncio.shield(self._stats_call), STATS_WAIT_S) or {})
+        except asyncio.TimeoutError:
+            if not self._last_stats:
+                return {}
+            return {**self._last_stats, "stats_age_s": round(time.monotonic() - self._last_stats_at, 3)}
         except EngineDeadError:  # already reported (engine_failed); info routes still answer
             return {}
         except Exception:  # an info route must answer even if the engine is broken
             logger.exception("engine.get_stats() failed")
             return {}
+        stats.update(constraint_cache_info())
+        self._last_stats, self._last_stats_at = stats, time.monotonic()
+        return dict(stats)
 
     async def internal_state(self) -> dict[str, Any]:
         """``internal_states[0]`` of /server_info."""
