@@ -177,7 +177,6 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
         assert r.status_code == 200, r.text
         refs[i] = r.json()["output_ids"]
     wait_idle(rt)
-    rss0 = rss_bytes(pid)
     rng = random.Random(0)
     jobs = [("bystander", i) for i in range(n_bystanders)] + [("hostile", i) for i in range(N_REQUESTS)]
     rng.shuffle(jobs)
@@ -212,9 +211,12 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
 
     poller = threading.Thread(target=poll_info, daemon=True)
     poller.start()
+    warm = len(jobs) // 10  # the first tenth warms up (build workers start, caches fill)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        list(pool.map(run, jobs))
+        list(pool.map(run, jobs[:warm]))
+        rss0 = rss_bytes(pid, children=True)  # the server, its engine process and the build workers
+        list(pool.map(run, jobs[warm:]))
     elapsed = time.perf_counter() - t0
     stop.set()
     poller.join(TIMEOUT)
@@ -233,13 +235,52 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
     counted_5xx = [ln for ln in metrics.splitlines() if ln.startswith("sglang:http_requests_total")
                    and 'status="5' in ln and 'status="503"' not in ln]
     assert not counted_5xx, counted_5xx
-    growth = rss_bytes(pid) - rss0
+    growth = rss_bytes(pid, children=True) - rss0
     by_kind: dict[str, dict] = {}
     for k, s in statuses:
         by_kind.setdefault(k, {}).setdefault(str(s), 0)
         by_kind[k][str(s)] += 1
     print(f"\nhostile: {len(jobs)} requests ({n_bystanders} bystanders) in {elapsed:.1f} s, concurrency "
-          f"{CONCURRENCY}; 0 5xx, 0 dropped; /get_server_info max {max(info_latency):.2f} s; RSS growth "
-          f"{growth / 2**20:.1f} MiB; statuses by kind {json.dumps(by_kind, sort_keys=True)}")
+          f"{CONCURRENCY}; 0 5xx, 0 dropped; /get_server_info max {max(info_latency):.2f} s; RSS (server + engine "
+          f"+ build workers) {rss0 / 2**20:.0f} MiB after warm-up, growth {growth / 2**20:.1f} MiB; statuses by kind "
+          f"{json.dumps(by_kind, sort_keys=True)}")
     assert max(info_latency) < 10.0, max(info_latency)
     assert growth < RSS_GROWTH_BOUND, f"RSS grew {growth / 2**20:.1f} MiB"
+
+
+def test_heavy_constraint_builds_hold_no_other_request(server):
+    """Six fresh, slow regex builds at once (each a few seconds: 2^17-state automata): plain
+    requests, aborts and /get_server_info are answered meanwhile in well under a build's time."""
+    url = server.url
+    heavy = [f"({a}|{b})*{a}({a}|{b}){{17}}" for a, b in ("cq", "dr", "fs", "gt", "hu", "jv")]
+    results: dict[str, float] = {}
+
+    def build(rx: str) -> None:
+        t = time.perf_counter()
+        r = requests.post(url + "/generate", json={"text": "heavy", "sampling_params": {"max_new_tokens": 4,
+                                                                                         "regex": rx}}, timeout=300)
+        assert r.status_code in (200, 400), r.text
+        results[rx] = time.perf_counter() - t
+
+    threads = [threading.Thread(target=build, args=(rx,)) for rx in heavy]
+    for th in threads:
+        th.start()
+    time.sleep(0.5)  # the builds are running
+    t = time.perf_counter()
+    r = requests.post(url + "/generate", json={"text": "plain", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    plain_s = time.perf_counter() - t
+    assert r.status_code == 200, r.text
+    t = time.perf_counter()
+    assert requests.get(url + "/get_server_info", timeout=60).status_code == 200
+    info_s = time.perf_counter() - t
+    t = time.perf_counter()
+    assert requests.post(url + "/abort_request", json={"rid": "nobody"}, timeout=60).status_code == 200
+    abort_s = time.perf_counter() - t
+    for th in threads:
+        th.join(300)
+    slowest = max(results.values())
+    print(f"\nheavy builds: slowest {slowest:.1f} s; meanwhile a plain request {plain_s:.2f} s, /get_server_info "
+          f"{info_s:.2f} s, /abort_request {abort_s:.2f} s")
+    assert len(results) == len(heavy)
+    assert plain_s < max(2.0, slowest / 3), (plain_s, slowest)
+    assert info_s < 3.0 and abort_s < 2.0, (info_s, abort_s)

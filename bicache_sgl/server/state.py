@@ -23,7 +23,8 @@ from bicache_sgl.server.protocol import APIError, Item
 
 logger = logging.getLogger("bicache_sgl.server")
 
-SUBMIT_THREADS = 4  # server threads validating and submitting requests
+SUBMIT_THREADS = 4  # server threads validating and submitting requests without a constraint
+CONSTRAINT_SUBMIT_THREADS = 8  # ... and with one (builds themselves run on constrained.index.BUILD_WORKERS)
 STATS_WAIT_S = 2.0  # an info route waits this long for the engine's counters, then answers the last ones
 
 
@@ -46,9 +47,11 @@ class ServerState:
         self.draining = False  # shutting down: new requests get 503, running ones finish or are aborted
         self.created = int(time.time())
         self.last_probe_ok = 0.0
-        # submissions (validation builds constraints: milliseconds to seconds) get their own bounded
-        # pool, so /abort_request, /flush_cache and /metrics never wait behind them
+        # submissions get their own bounded pools, so /abort_request, /flush_cache and /metrics never
+        # wait behind them; requests with a constraint (validation may build it: milliseconds to
+        # seconds) have a lane of their own, so a heavy build never holds a plain request either
         self.submit_pool = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="bicache-submit")
+        self.constraint_pool = ThreadPoolExecutor(CONSTRAINT_SUBMIT_THREADS, thread_name_prefix="bicache-constraint")
         self._stats_call: asyncio.Future | None = None
         self._last_stats: dict[str, Any] = {}
         self._last_stats_at = 0.0
@@ -100,7 +103,8 @@ class ServerState:
 
     def new_submission(self, items: list[Item]) -> Submission:
         """A :class:`Submission` whose finished requests are counted in the metrics."""
-        sub = Submission(self.engine, items, executor=self.submit_pool)
+        constrained = any(it.params.constraint is not None for it in items)
+        sub = Submission(self.engine, items, executor=self.constraint_pool if constrained else self.submit_pool)
 
         def on_finish(i: int, ev: RequestEvent, elapsed: float) -> None:
             self.record_finish(sub.items[i], ev, elapsed, sub.first_output[i])
