@@ -13,6 +13,7 @@ from radix.tree import (
     PrefixIndex,
     RadixTree,
     TreeNode,
+    common_prefix_len,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "PrefixIndex",
     "RadixTree",
     "TreeNode",
+    "common_prefix_len",
 ]

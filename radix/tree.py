@@ -38,6 +38,7 @@ __all__ = [
     "PrefixIndex",
     "RadixTree",
     "TreeNode",
+    "common_prefix_len",
 ]
 
 _EMPTY_SLOTS = np.empty(0, dtype=np.int64)
@@ -217,6 +218,14 @@ def _as_ids(ids: Sequence[int]) -> np.ndarray:
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"ids must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common leading run of two token sequences (vectorised)."""
+    x, y = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    n = min(len(x), len(y))
+    diff = np.flatnonzero(x[:n] != y[:n])
+    return int(diff[0]) if diff.size else n
 
 
 def _common_len(key: np.ndarray, ids: np.ndarray, start: int) -> int:

@@ -39,15 +39,6 @@ def shared_fraction(lcp: int, capture_len: int, seq_len: int) -> float:
     return lcp / n if n > 0 else 0.0
 
 
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common leading run of two int arrays (vectorised)."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
 @dataclass(frozen=True)
 class RequestFacts:
     """What the planner needs to know about the request (no policies: the engine passes facts)."""

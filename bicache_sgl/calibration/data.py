@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from radix import common_prefix_len
+
 log = logging.getLogger("bicache_sgl.calibrate")
 
 DEFAULT_FRACTIONS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -66,14 +68,6 @@ class Task:
     @property
     def r(self) -> float:
         return self.s_len / self.seq_len
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def read_data(path: str | Path) -> list[Record]:

@@ -294,7 +294,6 @@ class Engine:
             req = self._by_rid.get(rid)
             if req is None or req.finished:
                 continue
-            req.aborted = True
             req.fail("aborted by the client")
             if self.scheduler.remove(req):
                 self._by_rid.pop(req.rid, None)

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree
+from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_prefix_len
 
-from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, common_prefix_len, plan_reuse
+from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, plan_reuse
 from ..bicache.policy import DepthPolicy
 from ..models.forward_batch import Capture, SeqKV
 from .pool import KVPool

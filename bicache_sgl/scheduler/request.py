@@ -183,7 +183,6 @@ class Req:
         self.finished = False
         self.finish_reason: dict | None = None
         self.error: str | None = None
-        self.aborted = False
         # logprobs: position -> (logprob, [(lp, id), ...])
         self.out_logprobs: dict[int, tuple[float, list[tuple[float, int]]]] = {}
         self.input_logprobs: list[tuple[float | None, int, list[tuple[float, int]] | None]] | None = None

@@ -8,21 +8,15 @@ set, so it is tested on CPU in milliseconds.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
+
+from radix import common_prefix_len
 
 
 class Schedulable(Protocol):
     prompt: list[int]
     kv_tokens: int
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Scheduler:
