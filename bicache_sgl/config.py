@@ -69,7 +69,8 @@ def _check_alg_temp(v: Any, name: str) -> None:
         _check(_is_num(v) and v >= 0, f"{name} must be a number >= 0 (0: the most confident positions), got {v!r}")
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An int that is not a bool (JSON true/false must not pass as 1/0)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -96,7 +97,7 @@ def _parse_logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
                 tid = int(key.strip())
             except ValueError:
                 raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
-        if not _is_int(tid) or tid < 0:
+        if not is_int(tid) or tid < 0:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
         if not _is_num(bias) or not -100 <= bias <= 100:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tid}")
@@ -211,7 +212,7 @@ class SamplingParams:
                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(isinstance(self.logit_bias, tuple) and all(
-            isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_num(e[1])
+            isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and _is_num(e[1])
             and -100 <= e[1] <= 100 for e in self.logit_bias),
             "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
         _check(self.regex is None or isinstance(self.regex, str), "regex must be a string")

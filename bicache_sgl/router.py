@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bicache_sgl.runtime import describe_exit, find_free_port, http_json
+from bicache_sgl.runtime import available_cpus, describe_exit, find_free_port, http_json
 from bicache_sgl.server.args import ServerArgs, redact_unknown
 
 logger = logging.getLogger("bicache_sgl.router")
@@ -122,13 +122,6 @@ def worker_argv(argv: Sequence[str]) -> list[str]:
 
 def _has_flag(argv: Sequence[str], *names: str) -> bool:
     return any(a.partition("=")[0] in names for a in argv)
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def worker_threads(dp_size: int, cpus: int | None = None) -> int:

@@ -63,7 +63,7 @@ from ..constrained import token_table
 from ..constrained.index import Limits
 from ..constrained.index import seed as seed_index
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
-from ..runtime import describe_exit
+from ..runtime import available_cpus, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,6 @@ class EngineDeadError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ threads
-def available_cpus() -> int:
-    """CPUs this process may run on (the affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def default_engine_threads(cpus: int | None = None) -> int | None:
     """torch CPU threads for the engine when ``--num-threads`` is not given: every CPU but one
     (that one is left to the HTTP server, the tokenizer and the engine's own Python side), never

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from bicache_sgl.config import SamplingParams
+from bicache_sgl.config import SamplingParams, is_int
 from bicache_sgl.server.fields import FieldError, check_generate_body
 
 
@@ -61,10 +61,6 @@ def require_object(obj: Any) -> dict:
     if not isinstance(obj, dict):
         raise APIError("request body must be a JSON object")
     return obj
-
-
-def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_token_ids(ids: Any, vocab_size: int | None, what: str = "input_ids") -> list[int]:
