@@ -143,7 +143,7 @@ def best_span(usable: np.ndarray) -> tuple[int, int, int]:
 
 def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFacts, start: int, end: int,
                  depth: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The rows the request's first forward writes (DESIGN.md section 5: store and upgrade).
+    """The rows the request's first forward writes (docs/prefix_cache.md, "Node depth follows use").
 
     Positions it computes in full (new tokens, matched tokens outside the reused span) get layers
     up to b(P / N), the depth a repeat of the prompt is allowed (P: the reusable prompt); reused

@@ -1,7 +1,7 @@
 """The bicache decision, in one object per mode.
 
 A :class:`DepthPolicy` answers ``target_depth(r)``: the depth b(r) that state captured in a
-sequence sharing a fraction r with the request is allowed (DESIGN.md sections 4-5). Which
+sequence sharing a fraction r with the request is allowed (docs/prefix_cache.md). Which
 positions a request reuses, and at which depth, is decided from this b(.) and the capture context
 of every matched row by bicache/planner.py. ``max_node_depth`` bounds what any node may hold (it
 sizes the pool).

@@ -9,7 +9,7 @@
             request's prompt and its sequence length), insert the prompt, record node depths;
     release when the request leaves: free an uncommitted capture, unlock the path.
 
-Node depth follows use (DESIGN.md section 5; the rule is the planner's): positions a request
+Node depth follows use (docs/prefix_cache.md; the rule is the planner's): positions a request
 computes in full are stored for layers < b(P / N) (a repeat of the prompt), reused positions get
 their node's missing deeper layers from this request's forward (an upgrade, in this request's
 context), and under memory pressure the deepest layers of cold nodes go first (trim), before whole

@@ -1,6 +1,6 @@
 """Memory sizing in one place: the shared prefix pool and the budget for requests' private K/V.
 
-Two pools (DESIGN.md section 7): the **prefix pool** holds cached prefix state (K/V of the layers
+Two pools (docs/prefix_cache.md, "One row store"): the **prefix pool** holds cached prefix state (K/V of the layers
 a node holds plus the residual entering the next one) and the **request K/V** is each running
 sequence's private ``[L, N, Hkv, Dh]`` K and V. The scheduler admits requests against the request
 budget, so neither can outgrow the device.

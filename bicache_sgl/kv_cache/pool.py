@@ -5,7 +5,7 @@ Rows ``[0, prefix_rows)`` hold cached prefix state per (cached token, layer), so
 costs memory in proportion to the depth its node holds; rows ``[prefix_rows, total)`` are the
 running sequences' private K/V (``alloc_seq`` / ``free_seq``).
 
-Prefix layout (DESIGN.md section 5). A prefix *row* holds one token's state at one layer l:
+Prefix layout (docs/prefix_cache.md, "One row store"). A prefix *row* holds one token's state at one layer l:
   K[row], V[row]  K/V of layer l                      -> [rows, Hkv, Dh]
   H[row]          residual leaving layer l (= entering layer l + 1)   -> [prefix rows, hidden]
 A cached token has a *token slot* (what the radix index stores); ``table[slot, l]`` is its row at

@@ -342,7 +342,7 @@ class Req:
                        capture=self.cache.capture)
 
     def _score_work(self) -> SeqWork:
-        """Input likelihoods (DESIGN.md section 8): mask positions [s, n) together and read
+        """Input likelihoods (docs/server.md, "Logprobs for a diffusion model"): mask positions [s, n) together and read
         log p(token_i | unmasked rest) for each in one forward."""
         n = self.prompt_len
         start = self.greq.logprob_start_len

@@ -348,9 +348,9 @@ SCORE_CHUNK = 256  # left-to-right scoring requests submitted to the engine at o
 async def left_to_right_logprobs(state: ServerState, request: Request, targets: list[tuple[list[int], int]],
                                  top: int) -> list[tuple[list, list | None]] | None:
     """``log p(ids[i] | ids[:i])`` for each ``(ids, i)``, with positions ``i..`` of ``ids`` masked:
-    the native input logprob of position ``i`` at ``logprob_start_len = i`` (DESIGN.md section 8),
-    one prefill-only scoring request each. -> ``(entry, top entries)`` per target, or None when the
-    client went away."""
+    the native input logprob of position ``i`` at ``logprob_start_len = i`` (docs/server.md,
+    "Logprobs for a diffusion model"), one prefill-only scoring request each. -> ``(entry, top
+    entries)`` per target, or None when the client went away."""
     params, _ = sampling_params_from({"max_new_tokens": 0, "temperature": 0}, state.default_sampling,
                                      max_n=state.args.max_n)
     out: list[tuple[list, list | None]] = []
