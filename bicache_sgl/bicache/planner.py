@@ -114,14 +114,22 @@ def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple
     if m == 0:
         return np.zeros(0, dtype=np.int64), {}
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
-    ids = np.asarray(sorted(r_of), dtype=np.int64)
-    allowed = np.asarray([policy.target_depth(r_of[c]) for c in ids.tolist()], dtype=np.int64)
-    lim = np.zeros(match.ctx.shape, dtype=np.int64)
-    has = match.held & (match.ctx >= 0)
-    if len(ids):
-        lim[has] = allowed[np.searchsorted(ids, match.ctx[has])]
-    ok = has & (np.arange(L)[None, :] < lim)
-    return np.cumprod(ok, axis=1).sum(axis=1), r_of
+    # the depth each row's context allows (0 where there is no row); a match has a few contexts,
+    # so one comparison per context over [m, L] beats a lookup per row
+    lim = np.zeros((m, L), dtype=np.int16)
+    for c, r in r_of.items():
+        lim[match.ctx == c] = policy.target_depth(r)
+    ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & match.held
+    return np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64), r_of
+
+
+def contexts_in(ctx: np.ndarray) -> list[int]:
+    """The distinct context ids (>= 0) of a [n, k] block: each appears in its first row or where a
+    column changes, so only those few candidates are sorted."""
+    if ctx.size == 0:
+        return []
+    cand = np.concatenate([ctx[0], ctx[1:][ctx[1:] != ctx[:-1]]])
+    return [int(c) for c in np.unique(cand) if c >= 0]
 
 
 def best_span(usable: np.ndarray) -> tuple[int, int, int]:
@@ -181,8 +189,7 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
-            used = np.unique(match.ctx[start:end, :depth + 1])
-            r_bind = min(r_of[int(c)] for c in used.tolist() if c >= 0)
+            r_bind = min(r_of[c] for c in contexts_in(match.ctx[start:end, :depth + 1]))
     audit = False
     if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
         audit = engine_policy.audit.should_audit(r_bind)

@@ -40,7 +40,7 @@ import torch
 
 from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_prefix_len
 
-from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, plan_reuse
+from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse
 from ..bicache.policy import DepthPolicy
 from ..models.forward_batch import Capture, SeqKV
 from .pool import KVPool
@@ -124,7 +124,7 @@ class CacheManager:
         each context shares with ``prompt``."""
         table, ctx = self.pool.table[slots], self.pool.ctx[slots]
         held = table >= 0
-        ids = np.unique(ctx[held]).tolist() if m.length else []
+        ids = contexts_in(ctx)
         me = np.asarray(prompt, dtype=np.int64)
         contexts = self.pool.contexts
         shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in ids}
