@@ -125,15 +125,18 @@ def test_planted_model_without_a_profile_answers_as_cache_off_and_reuses_after_p
         probation = eng.get_stats()["bicache_audit_probation"]
         assert probation == DEFAULT_PROBATION
         metas = []
-        for i in range(probation + 5):
+        for i in range(probation + 12):
             d = str(i % 10)
             out = eng.generate(PLANTED_PREFIX + f"Question {d}: which digit?", PLANTED_SP)
             assert out["text"] == expected_answer(d) * 8, (i, out["meta_info"])
             metas.append(out["meta_info"])
         audited = [m["bicache_audited"] for m in metas]
-        assert audited[1:probation + 1] == [True] * probation and not any(audited[probation + 1:]), audited
-        later = [m["bicache_depth"] for m in metas[probation + 1:]]
-        assert all(0 < d <= K for d in later) and all(m["reused_prefix_tokens"] > 0 for m in metas[probation + 1:])
+        # every reusing request is audited until its bucket earned trust (the shared fraction that
+        # bounds a request's depth puts it in one of two buckets here: its digit seen before or not)
+        assert audited[1:probation + 1] == [True] * probation, audited
+        depths = [m["bicache_depth"] for m in metas]
+        assert all(d <= K for d in depths) and sum(d > 0 for d in depths[-6:]) >= 3, (depths, audited)
+        assert eng.get_stats()["bicache_audit_trusted_buckets"] >= 1
     finally:
         eng.shutdown()
 
