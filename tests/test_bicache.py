@@ -15,7 +15,7 @@ from bicache_sgl.bicache.profile import BicacheProfile, find_profile
 from bicache_sgl.kv_cache.memory import MAX_POOL_TOKENS, plan_memory, prefix_bytes_per_token
 from bicache_sgl.kv_cache.pool import SlotAllocator
 from bicache_sgl.models.config import parse_model_config
-from bicache_sgl.scheduler.scheduler import Scheduler
+from bicache_sgl.scheduler.scheduler import Admission
 
 PREFIX = "System: you are a helpful assistant. Examples follow.\nQuestion: a\nAnswer: 1\n\n" * 2
 # questions start with distinct characters, so each matches exactly the shared prefix
@@ -277,7 +277,7 @@ class _R:
 
 
 def test_scheduler_and_allocator_bookkeeping():
-    s = Scheduler(max_running=3, kv_budget=1000)
+    s = Admission(max_running=3, kv_budget=1000)
     shared = list(range(40))
     a, b, c, d = _R(shared + [100]), _R(shared + [101]), _R([7] * 30), _R(shared + [102])
     for r in (a, b, c, d):
@@ -310,7 +310,7 @@ def test_pool_bytes_per_token_for_real_shapes():
 def test_scheduler_admits_against_the_kv_budget():
     """Requests wait while their private K/V does not fit; finishing frees budget; order is kept
     (a large request is not overtaken by smaller ones behind it)."""
-    s = Scheduler(max_running=8, kv_budget=100)
+    s = Admission(max_running=8, kv_budget=100)
     big, small1, small2 = _R([1], 70), _R([2], 40), _R([3], 20)
     for r in (big, small1, small2):
         s.add(r)

@@ -101,7 +101,7 @@ class AgreementMeter:
 
     The engine is passed in by the caller and only duck-typed (this package sits below
     ``bicache_sgl.engine`` and never imports it): it needs ``model_config.n_layers``,
-    ``scheduler.prefix_aware``, ``flush_cache()`` and ``submit_many(greqs, callbacks)`` whose
+    ``scheduler.admission.prefix_aware``, ``flush_cache()`` and ``submit_many(greqs, callbacks)`` whose
     callbacks get events with ``finished``, ``error``, ``output_ids`` and ``meta_info``
     (``bicache_sgl.engine.Engine`` is one)."""
 
@@ -111,7 +111,7 @@ class AgreementMeter:
         self.gen_length = gen_length
         # All L+1 requests share their whole prompt: admit them in one step (no prefix-aware
         # deferral), so every one of them matches exactly S and nothing a sibling inserted.
-        engine.scheduler.prefix_aware = False
+        engine.scheduler.admission.prefix_aware = False
 
     def _run(self, greqs) -> list:
         results: list = [None] * len(greqs)

@@ -1,9 +1,10 @@
 """The engine: a background thread running steps, and the offline API (SGLang's ``sgl.Engine``).
 
-A step is schedule, run, postprocess: admit waiting requests (scheduler + cache manager), run
-ONE batched forward for every running request (model runner), let each request consume its
-logits, retire the finished ones. ``submit``/``abort`` are thread-safe; the HTTP layer never
-blocks on a forward.
+A step is ``scheduler.schedule()`` (admit waiting requests; every running request plans its
+sequences), ONE batched forward for all of them (``runner.forward``), ``scheduler.postprocess``
+(commits, each request consumes its logits, audits, retirements); the engine then emits the
+events. The engine itself is the thread, the inbox (submits, aborts, flushes) and the offline
+API. ``submit``/``abort`` are thread-safe; the HTTP layer never blocks on a forward.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..bicache.planner import ReusePlan
 from ..bicache.policy import make_policy
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
@@ -27,7 +27,7 @@ from ..kv_cache.manager import make_cache_manager
 from ..kv_cache.memory import plan_memory
 from ..kv_cache.pool import KVPool
 from ..scheduler.request import Req, RequestFactory
-from ..scheduler.scheduler import Scheduler
+from ..scheduler.scheduler import Admission, Scheduler
 from .model_runner import ModelRunner, load
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,12 @@ class Engine:
         log.info("prefix cache: %s; %s", self.policy.describe(), self.memory.describe())
         self.runner = ModelRunner(loaded, cfg.attention_backend, pool)
         self.model = loaded.model
-        self.scheduler = Scheduler(cfg.max_running_requests, self.memory.request_tokens,
-                                   prefix_aware=self.cache.enabled)
+        admission = Admission(cfg.max_running_requests, self.memory.request_tokens, prefix_aware=self.cache.enabled)
         self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length,
-                                       kv_budget=self.scheduler.kv_budget)
-        self.running: list[Req] = []
+                                       kv_budget=admission.kv_budget)
+        self.scheduler = Scheduler(admission, self.cache, self.requests, self.runner.alloc_kv, self.runner.free_kv,
+                                   pool.alloc_seq, mc.n_layers, audit=self.audit, cache_output=cfg.cache_output,
+                                   context_length=self.context_length)
         self._inbox: list[Req] = []
         self._aborts: set[str] = set()
         self._flushes: list[threading.Event] = []
@@ -111,10 +112,6 @@ class Engine:
         self._stop = False
         self._atexit_registered = False
         self._seed_counter = cfg.random_seed
-        self.stats = {"num_forward_passes": 0, "num_finished_reqs": 0, "generated_tokens": 0,
-                      "computed_layer_tokens": 0, "skipped_layer_tokens": 0}
-        self.finish_reasons: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
-        self.output_captures = 0  # finished requests whose prompt + answer were queued for the cache
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
@@ -228,56 +225,35 @@ class Engine:
             except Exception:  # never let one bad step kill the server
                 log.exception("engine step failed")
 
+    @property
+    def running(self) -> list[Req]:
+        return self.scheduler.running
+
     def has_work(self) -> bool:
-        return bool(self.running or self.scheduler.waiting)
+        return self.scheduler.has_work()
 
     def step(self) -> bool:
-        """Schedule, run ONE batched forward for all running requests, postprocess."""
+        """One step: schedule, run ONE batched forward for all running requests, postprocess;
+        then emit the events (blocks that became final, finished requests)."""
         self._drain_inbox()
-        self._admit()
-        if not self.running:
+        batch = self.scheduler.schedule()
+        if not self.scheduler.running:
             return False
-        L = self.model_config.n_layers
-        batch: list[tuple[Req, int]] = []
-        works = []
-        for req in self.running:
-            try:
-                ws = req.plan_step(L)
-            except Exception as e:
-                log.exception("request %s failed while planning", req.rid)
-                req.fail(f"internal error: {type(e).__name__}: {e}", "error")
-                continue
-            works.extend(ws)
-            batch.append((req, len(ws)))
         try:
-            logits = self.runner.forward(works)
+            logits = self.runner.forward(batch.works)
         except Exception as e:
             log.exception("batched forward failed")
-            for req, _ in batch:
-                req.fail(f"internal error in the forward pass: {type(e).__name__}: {e}", "error")
-            self._retire_finished()
+            self._emit_all(self.scheduler.fail_batch(batch, e))
             return True
-        self.stats["num_forward_passes"] += 1
-        i = 0
-        for req, n in batch:
-            parts, i = logits[i:i + n], i + n
-            if req.finished:  # failed while planning: its works were not in the batch
-                continue
-            self.cache.commit(req.prompt, req.cache, req.capture_len)  # no-op after the first forward
-            try:
-                block_done = req.apply(parts, L)
-            except Exception as e:
-                log.exception("request %s failed", req.rid)
-                req.fail(f"internal error: {type(e).__name__}: {e}", "error")
-                continue
-            if req.audit_pair is not None:
-                self.audit.record(*req.audit_pair)
-                req.audit_pair = None
-            if block_done and not req.finished:
-                self._emit(req)
-        self._retire_finished()
+        self._emit_all(self.scheduler.postprocess(batch, logits))
         self.last_step_time = time.time()
         return True
+
+    def _emit_all(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req.finished:
+                self._by_rid.pop(req.rid, None)
+            self._emit(req)
 
     def _drain_inbox(self) -> None:
         with self._cv:
@@ -295,79 +271,15 @@ class Engine:
             if req is None or req.finished:
                 continue
             req.fail("aborted by the client")
-            if self.scheduler.remove(req):
-                self._by_rid.pop(req.rid, None)
-                self.finish_reasons["abort"] += 1
-                self._emit(req)
+            if self.scheduler.remove_waiting(req):
+                self.scheduler.finish_reasons["abort"] += 1
             else:
-                self._retire(req)
-
-    def _admit(self) -> None:
-        if not self.scheduler.waiting:
-            return
-        for req in self.scheduler.select(len(self.running), lambda r: self.cache.peek(r.prompt)):
-            self.running.append(req)
-            try:
-                req.allocate(self.runner.alloc_kv)
-                req.cache = self.cache.admit(req.prompt, req.facts())
-                if req.choice.audit and req.kind == "generate":
-                    req.audit_kv = self.runner.pool.alloc_seq(req.seq_len)  # outside the budget
-                    req.auditing = req.audit_kv is not None
-                    if not req.auditing:  # no room for the shadow: this request reuses nothing
-                        req.cache.plan = ReusePlan(matched=req.choice.matched, seq_len=req.choice.seq_len)
-                self.cache.share(req.cache, req.kv)
-            except Exception as e:
-                log.exception("admitting request %s failed", req.rid)
-                req.fail(f"internal error: {type(e).__name__}: {e}", "error")
-                self._retire(req)
-
-    def _retire_finished(self) -> None:
-        for req in [r for r in self.running if r.finished]:
-            self._retire(req)
-
-    def _retire(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
-            self.scheduler.finished(req)
-        self.cache.release(req.cache)
-        req.free_buffers(self.runner.free_kv)
-        if req.internal:
-            return
-        self._capture_output(req)
-        st = self.stats
-        st["num_finished_reqs"] += 1
-        reason = (req.finish_reason or {}).get("type", "abort")
-        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
-        st["generated_tokens"] += len(req.out_ids)
-        st["computed_layer_tokens"] += req.computed_layer_tokens
-        st["skipped_layer_tokens"] += req.skipped_layer_tokens
-        self._by_rid.pop(req.rid, None)
-        self._emit(req)
+                self.scheduler.retire(req)
+            self._emit_all([req])
 
     def _num_waiting(self) -> int:
-        """Clients' requests waiting (the engine's own output captures are not counted)."""
-        return sum(not r.internal for r in self.scheduler.waiting) + len(self._inbox)
-
-    def _capture_output(self, req: Req) -> None:
-        """Multi-turn reuse: queue one prefill-only forward over a finished request's prompt and
-        answer, which inserts them into the prefix cache. The answer's state is captured where it
-        is final (no masks left), in the context of exactly this conversation so far; turn 2 then
-        reuses it as far as the capture-context rule allows (docs/prefix_cache.md)."""
-        if not (self.config.cache_output and self.cache.enabled and self.policy.max_node_depth > 0):
-            return
-        reason = (req.finish_reason or {}).get("type")
-        if req.kind != "generate" or reason not in ("stop", "length") or not req.out_ids:
-            return
-        ids = req.prompt + [t for t in req.out_ids if t != req.mask_id]
-        if len(ids) > self.context_length:
-            return
-        try:
-            cap = self.requests.build(GenerateRequest(ids, SamplingParams(max_new_tokens=0)), None)
-        except ValueError:  # nothing to capture that the engine would accept
-            return
-        cap.internal = True
-        self.output_captures += 1
-        self.scheduler.add(cap)
+        """Clients' requests waiting, in the engine's inbox or the scheduler's queue."""
+        return self.scheduler.num_waiting() + len(self._inbox)
 
     def _emit(self, req: Req) -> None:
         if req.on_event is None:
@@ -433,6 +345,10 @@ class Engine:
         self.start()
         return done.wait(timeout)
 
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.scheduler.stats
+
     def get_stats(self) -> dict[str, Any]:
         st = self.stats
         total = st["computed_layer_tokens"] + st["skipped_layer_tokens"]
@@ -441,11 +357,11 @@ class Engine:
             "num_waiting_reqs": self._num_waiting(),
             **st,
             "saved_compute_fraction": st["skipped_layer_tokens"] / total if total else 0.0,
-            "finished_reqs_by_reason": dict(self.finish_reasons),
-            "prefix_cache_output_captures_total": self.output_captures,
+            "finished_reqs_by_reason": dict(self.scheduler.finish_reasons),
+            "prefix_cache_output_captures_total": self.scheduler.output_captures,
             "prefix_cache_mode": self.config.prefix_cache,
-            "request_kv_budget_tokens": self.scheduler.kv_budget,
-            "request_kv_used_tokens": self.scheduler.kv_in_use,
+            "request_kv_budget_tokens": self.scheduler.admission.kv_budget,
+            "request_kv_used_tokens": self.scheduler.admission.kv_in_use,
             "request_kv_bytes_per_token": self.memory.request_bytes_per_token,
             **self.cache.stats(),
             **(self.audit.stats() if self.audit is not None else {"bicache_audit_rate": 0.0}),

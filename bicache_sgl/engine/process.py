@@ -200,7 +200,7 @@ def engine_main(config: EngineConfig, req_address: str, event_address: str, log_
         "model_config": engine.model_config,
         "context_length": engine.context_length,
         "eos_ids": tuple(engine.eos_ids),
-        "kv_budget": engine.scheduler.kv_budget,
+        "kv_budget": engine.scheduler.admission.kv_budget,
         "config": engine.config,
         "num_threads": torch.get_num_threads(),
         "device": str(engine.device),

@@ -1,17 +1,38 @@
-"""Admission: which waiting requests join the running batch before the next step.
+"""The scheduler: waiting and running requests, admission, and one step's bookkeeping.
 
-Tensor-free: it sees prompts (token lists), each request's private K/V cost in positions
-(``kv_tokens``), the cached length of each waiting prompt (a non-mutating peek), and the running
-set, so it is tested on CPU in milliseconds.
+A step is ``schedule() -> Batch``, the model runner's forward over ``batch.works``, then
+``postprocess(batch, logits)`` (nano-vllm's shape). :class:`Scheduler` owns the requests, the cache
+manager and the request factory: it admits (the cache manager matches, locks and plans each
+request's reuse), plans every running request's sequences, commits the captures of the requests
+whose first forward just ran, lets each request consume its logits, records audits, and retires
+the finished requests. It never runs the model.
+
+:class:`Admission` is the admission rule alone, tensor-free: it sees prompts (token lists), each
+request's private K/V cost in positions (``kv_tokens``), the cached length of each waiting prompt
+(a non-mutating peek), and the running set, so it is tested on CPU in milliseconds.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radix import common_prefix_len
+
+from ..bicache.planner import ReusePlan
+from ..config import SamplingParams
+from ..io_struct import GenerateRequest
+
+if TYPE_CHECKING:
+    from ..bicache.audit import DepthAudit
+    from ..kv_cache.manager import CacheManager, NullCacheManager
+    from ..models.forward_batch import SeqKV, SeqWork
+    from .request import Req, RequestFactory
+
+log = logging.getLogger(__name__)
 
 
 class Schedulable(Protocol):
@@ -19,7 +40,7 @@ class Schedulable(Protocol):
     kv_tokens: int
 
 
-class Scheduler:
+class Admission:
     """FIFO queue with prefix-aware admission against two budgets: running requests
     (``max_running``) and private K/V positions over all running requests (``kv_budget``).
 
@@ -84,3 +105,167 @@ class Scheduler:
     def finished(self, req: Schedulable) -> None:
         """An admitted request left the running set: its K/V is free again."""
         self.kv_in_use -= req.kv_tokens
+
+
+@dataclass
+class Batch:
+    """One step's work: the running requests in order, each with how many sequences it planned
+    (``works`` is their concatenation, what the model runner packs into one forward)."""
+
+    reqs: list[tuple[Req, int]] = field(default_factory=list)
+    works: list[SeqWork] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns waiting and running requests, the cache manager and the request factory (module
+    docstring). ``alloc`` / ``free`` give and take private K/V buffers within the admission budget;
+    ``alloc_shadow`` gives an audit shadow's buffer outside it (None when there is no room).
+    Not thread-safe: the engine drives it from its one step thread."""
+
+    def __init__(self, admission: Admission, cache: CacheManager | NullCacheManager, requests: RequestFactory,
+                 alloc: Callable[[int], SeqKV], free: Callable[[SeqKV], None],
+                 alloc_shadow: Callable[[int], SeqKV | None], n_layers: int, *, audit: DepthAudit | None = None,
+                 cache_output: bool = False, context_length: int = 0) -> None:
+        self.admission, self.cache, self.requests = admission, cache, requests
+        self._alloc, self._free, self._alloc_shadow = alloc, free, alloc_shadow
+        self.n_layers, self.audit = n_layers, audit
+        self.cache_output, self.context_length = cache_output, context_length
+        self.running: list[Req] = []
+        self.stats = {"num_forward_passes": 0, "num_finished_reqs": 0, "generated_tokens": 0,
+                      "computed_layer_tokens": 0, "skipped_layer_tokens": 0}
+        self.finish_reasons: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.output_captures = 0  # finished requests whose prompt + answer were queued for the cache
+
+    # -------------------------------------------------------------------------------- queue
+    @property
+    def waiting(self) -> deque:
+        return self.admission.waiting
+
+    def add(self, req: Req) -> None:
+        self.admission.add(req)
+
+    def remove_waiting(self, req: Req) -> bool:
+        """Take a request that was not admitted yet out of the queue (an abort)."""
+        return self.admission.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.admission.waiting)
+
+    def num_waiting(self) -> int:
+        """Clients' requests waiting (the engine's own output captures are not counted)."""
+        return sum(not r.internal for r in self.admission.waiting)
+
+    # --------------------------------------------------------------------------------- step
+    def schedule(self) -> Batch:
+        """Admit what fits, then the sequences every running request contributes to the next
+        forward (a request that fails while planning is finished with its error, not batched)."""
+        self._admit()
+        batch = Batch()
+        for req in self.running:
+            try:
+                ws = req.plan_step(self.n_layers)
+            except Exception as e:
+                log.exception("request %s failed while planning", req.rid)
+                req.fail(f"internal error: {type(e).__name__}: {e}", "error")
+                continue
+            batch.works.extend(ws)
+            batch.reqs.append((req, len(ws)))
+        return batch
+
+    def postprocess(self, batch: Batch, logits: list[Any]) -> list[Req]:
+        """After the forward: commit the captures of the requests whose first forward this was,
+        let each request consume its logits, record audits. Returns the requests to emit an event
+        for (a block became final, or the request finished and was retired), in order."""
+        self.stats["num_forward_passes"] += 1
+        emit: list[Req] = []
+        i = 0
+        for req, n in batch.reqs:
+            parts, i = logits[i:i + n], i + n
+            if req.finished:  # failed while planning: its works were not in the batch
+                continue
+            if req.cache.capture is not None:  # its first forward just wrote the capture
+                self.cache.commit(req.prompt, req.cache, req.capture_len)
+            try:
+                block_done = req.apply(parts, self.n_layers)
+            except Exception as e:
+                log.exception("request %s failed", req.rid)
+                req.fail(f"internal error: {type(e).__name__}: {e}", "error")
+                continue
+            if req.audit_pair is not None and self.audit is not None:
+                self.audit.record(*req.audit_pair)
+                req.audit_pair = None
+            if block_done and not req.finished:
+                emit.append(req)
+        return emit + self.retire_finished()
+
+    def fail_batch(self, batch: Batch, e: Exception) -> list[Req]:
+        """The forward failed: every request of the batch ends with the error."""
+        for req, _ in batch.reqs:
+            req.fail(f"internal error in the forward pass: {type(e).__name__}: {e}", "error")
+        return self.retire_finished()
+
+    def _admit(self) -> None:
+        if not self.admission.waiting:
+            return
+        for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt)):
+            self.running.append(req)
+            try:
+                req.allocate(self._alloc)
+                req.cache = self.cache.admit(req.prompt, req.facts())
+                if req.choice.audit and req.kind == "generate":
+                    req.audit_kv = self._alloc_shadow(req.seq_len)  # outside the budget
+                    req.auditing = req.audit_kv is not None
+                    if not req.auditing:  # no room for the shadow: this request reuses nothing
+                        req.cache.plan = ReusePlan(matched=req.choice.matched, seq_len=req.choice.seq_len)
+                self.cache.share(req.cache, req.kv)
+            except Exception as e:
+                log.exception("admitting request %s failed", req.rid)
+                req.fail(f"internal error: {type(e).__name__}: {e}", "error")
+                self.retire(req)
+
+    # ----------------------------------------------------------------------------- retiring
+    def retire_finished(self) -> list[Req]:
+        """Retire every finished running request; returns the clients' ones (to emit)."""
+        done = [r for r in self.running if r.finished]
+        for req in done:
+            self.retire(req)
+        return [r for r in done if not r.internal]
+
+    def retire(self, req: Req) -> None:
+        """The request leaves: budget, cache locks and buffers back; counted in the stats."""
+        if req in self.running:
+            self.running.remove(req)
+            self.admission.finished(req)
+        self.cache.release(req.cache)
+        req.free_buffers(self._free)
+        if req.internal:
+            return
+        self._capture_output(req)
+        st = self.stats
+        st["num_finished_reqs"] += 1
+        reason = (req.finish_reason or {}).get("type", "abort")
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        st["generated_tokens"] += len(req.out_ids)
+        st["computed_layer_tokens"] += req.computed_layer_tokens
+        st["skipped_layer_tokens"] += req.skipped_layer_tokens
+
+    def _capture_output(self, req: Req) -> None:
+        """Multi-turn reuse: queue one prefill-only forward over a finished request's prompt and
+        answer, which inserts them into the prefix cache. The answer's state is captured where it
+        is final (no masks left), in the context of exactly this conversation so far; turn 2 then
+        reuses it as far as the capture-context rule allows (docs/prefix_cache.md)."""
+        if not (self.cache_output and self.cache.enabled and self.cache.policy.max_node_depth > 0):
+            return
+        reason = (req.finish_reason or {}).get("type")
+        if req.kind != "generate" or reason not in ("stop", "length") or not req.out_ids:
+            return
+        ids = req.prompt + [t for t in req.out_ids if t != req.mask_id]
+        if len(ids) > self.context_length:
+            return
+        try:
+            cap = self.requests.build(GenerateRequest(ids, SamplingParams(max_new_tokens=0)), None)
+        except ValueError:  # nothing to capture that the engine would accept
+            return
+        cap.internal = True
+        self.output_captures += 1
+        self.admission.add(cap)
