@@ -28,6 +28,7 @@ from bicache_sgl.config import (
     canonical_algorithm,
     parse_prefix_cache_mode,
 )
+from bicache_sgl.server.protocol import DEFAULT_MAX_N
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class ServerArgs:
     # request limits and shutdown
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_batch_size: int = 1024
-    max_n: int = 256
+    max_n: int = DEFAULT_MAX_N
     graceful_shutdown_timeout: float = 5.0
     # prefix cache (bicache)
     prefix_cache: str = "bicache"
@@ -263,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Largest request body accepted; larger ones get 413 (default 32 MiB).")
     g.add_argument("--max-batch-size", type=int, default=1024,
                    help="Most sequences (prompts x n) one request may create; more get 400.")
-    g.add_argument("--max-n", type=int, default=256, help="Largest n (samples per prompt); larger get 400.")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="Largest n (samples per prompt); larger get 400.")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="On SIGTERM/SIGINT: seconds running requests get to finish before they are aborted "
                         "(each still gets an answer); new requests get 503 meanwhile.")

@@ -25,11 +25,8 @@ logger = logging.getLogger(__name__)
 
 def make_engine_request(item: Item) -> GenerateRequest:
     """The engine request for one parsed item."""
-    kw = {}
-    if item.extra.get("bicache_depth") is not None:
-        kw["bicache_depth"] = item.extra["bicache_depth"]
     return GenerateRequest(
-        **kw,
+        bicache_depth=item.bicache_depth,
         input_ids=item.input_ids,
         params=item.params,
         rid=item.rid,

@@ -9,7 +9,7 @@ implemented and which are refused is decided in :mod:`bicache_sgl.server.fields`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -137,7 +137,7 @@ class Item:
     rid: str | None = None
     prompt_index: int = 0  # which prompt of the batch
     sample_index: int = 0  # which of the n samples
-    extra: dict = field(default_factory=dict)
+    bicache_depth: int | None = None  # the request's own depth (None: the engine's policy decides)
     log_metrics: bool = True  # counted in /metrics and /server_info (SGLang's log_metrics)
 
 
@@ -302,7 +302,6 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
             r = rid_list[i]
             if r is not None and n > 1:
                 r = f"{r}-{j}"
-            extra = {"bicache_depth": depth_list[i]} if depth_list[i] is not None else {}
             items.append(Item(input_ids=list(ids), params=base, logprob=lp, rid=r, prompt_index=i, sample_index=j,
-                              extra=extra, log_metrics=log_list[i] is not False))
+                              bicache_depth=depth_list[i], log_metrics=log_list[i] is not False))
     return GenerateInput(items=items, batch=batch or any_n, stream=stream)
