@@ -177,6 +177,7 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
         assert r.status_code == 200, r.text
         refs[i] = r.json()["output_ids"]
     wait_idle(rt)
+    rss_start = rss_bytes(pid, children=True)
     rng = random.Random(0)
     jobs = [("bystander", i) for i in range(n_bystanders)] + [("hostile", i) for i in range(N_REQUESTS)]
     rng.shuffle(jobs)
@@ -199,15 +200,21 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
             info_latency.append(time.perf_counter() - t)
             stop.wait(0.5)
 
+    latency: dict[str, list[float]] = {}
+
     def run(job) -> None:
         what, i = job
+        t = time.perf_counter()
         if what == "bystander":
             r = requests.post(url + "/generate", json=bystander_body(i), timeout=TIMEOUT)
             statuses.append(("bystander", r.status_code))
             if r.status_code == 200:
                 got[i] = r.json()["output_ids"]
+            latency.setdefault("bystander", []).append(time.perf_counter() - t)
             return
-        statuses.append(send(url, *hostile(random.Random(i), i)))
+        kind, status = send(url, *hostile(random.Random(i), i))
+        statuses.append((kind, status))
+        latency.setdefault(kind, []).append(time.perf_counter() - t)
 
     poller = threading.Thread(target=poll_info, daemon=True)
     poller.start()
@@ -240,10 +247,12 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
     for k, s in statuses:
         by_kind.setdefault(k, {}).setdefault(str(s), 0)
         by_kind[k][str(s)] += 1
+    lat = {k: f"{sorted(v)[len(v) // 2]:.2f}/{max(v):.2f}" for k, v in sorted(latency.items())}
     print(f"\nhostile: {len(jobs)} requests ({n_bystanders} bystanders) in {elapsed:.1f} s, concurrency "
           f"{CONCURRENCY}; 0 5xx, 0 dropped; /get_server_info max {max(info_latency):.2f} s; RSS (server + engine "
-          f"+ build workers) {rss0 / 2**20:.0f} MiB after warm-up, growth {growth / 2**20:.1f} MiB; statuses by kind "
-          f"{json.dumps(by_kind, sort_keys=True)}")
+          f"+ build workers) {rss_start / 2**20:.0f} MiB before, {rss0 / 2**20:.0f} MiB after warm-up, "
+          f"{(rss0 + growth) / 2**20:.0f} MiB at the end (growth {growth / 2**20:.1f} MiB); statuses by kind "
+          f"{json.dumps(by_kind, sort_keys=True)}; latency p50/max s by kind {json.dumps(lat)}")
     assert max(info_latency) < 10.0, max(info_latency)
     assert growth < RSS_GROWTH_BOUND, f"RSS grew {growth / 2**20:.1f} MiB"
 
