@@ -35,6 +35,7 @@ MAX_HISTORY = 64  # depth changes kept for /get_server_info
 @dataclass
 class _Bucket:
     r_lo: float
+    profile_depth: int
     depth: int  # the depth in force (the profile's, then what the audit lowered it to)
     samples: int = 0
     agree_sum: float = 0.0
@@ -42,7 +43,11 @@ class _Bucket:
     streak: int = 0  # consecutive agreeing audits at `depth`
     disagreements: int = 0
     agreed: set[int] = field(default_factory=set)  # depths that agreed here at least once
-    cap: int | None = None  # None: never lowered
+
+    @property
+    def cap(self) -> int | None:
+        """The audit's cap (None: never lowered below the profile)."""
+        return self.depth if self.depth < self.profile_depth else None
 
 
 def compare(reused: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
@@ -68,13 +73,10 @@ class DepthAudit:
         if probation < 0:
             raise ValueError(f"audit probation must be >= 0, got {probation}")
         self.rate, self.min_agreement, self.probation = rate, min_agreement, probation
-        self._buckets = [_Bucket(r / 100.0, b) for r, b in profile.table]
+        self._buckets = [_Bucket(r / 100.0, b, b) for r, b in profile.table]
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self.lowered = 0
-        self.audits = 0
-        self.disagreements = 0
-        self.served_exact = 0
+        self.disagreements = 0  # each one lowers its bucket (and the buckets below it)
         self.history: list[dict] = []  # depth changes, oldest first (at most MAX_HISTORY)
         self.changes = 0
 
@@ -84,6 +86,11 @@ class DepthAudit:
             if r + 1e-12 >= b.r_lo:
                 i = j
         return i
+
+    @property
+    def lowered(self) -> int:
+        """Times the audit lowered a bucket: once per disagreement."""
+        return self.disagreements
 
     def should_audit(self, r: float) -> bool:
         """Whether a request reusing state bounded by shared fraction ``r`` is audited: always while
@@ -107,8 +114,6 @@ class DepthAudit:
         was answered from the exact forward)."""
         agree, kl = compare(reused, exact)
         with self._lock:
-            self.audits += 1
-            self.served_exact += 1
             i = self._index(r)
             b = self._buckets[i]
             b.samples += 1
@@ -125,10 +130,8 @@ class DepthAudit:
             for lower in self._buckets[:i + 1]:
                 if lower.depth > new:
                     old = lower.depth
-                    lower.depth = lower.cap = new
-                    lower.streak = 0
+                    lower.depth, lower.streak = new, 0
                     self._changed(lower, old, new, r, agree, kl)
-            self.lowered += 1
 
     def _changed(self, b: _Bucket, old: int, new: int, r: float, agree: float, kl: float) -> None:
         log.warning("bicache audit: at r=%.2f the reused forward agreed with the exact one on %.0f%% of masked "
@@ -147,7 +150,8 @@ class DepthAudit:
                 "bicache_audit_probation": self.probation,
                 "bicache_audit_samples_total": n,
                 "bicache_audit_disagreements_total": self.disagreements,
-                "bicache_audit_served_exact_total": self.served_exact,
+                # every audited request is answered from its exact forward
+                "bicache_audit_served_exact_total": n,
                 "bicache_audit_lowered_total": self.lowered,
                 "bicache_audit_top1_agreement": sum(b.agree_sum for b in self._buckets) / n if n else None,
                 "bicache_audit_kl": sum(b.kl_sum for b in self._buckets) / n if n else None,

@@ -24,7 +24,7 @@ little. Everything here is numpy bookkeeping, tested without a model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import numpy as np
@@ -60,10 +60,6 @@ class MatchFacts:
     ctx: np.ndarray  # int64 [length, L], -1 where no row
     shared: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
-    @classmethod
-    def empty(cls, n_layers: int) -> "MatchFacts":
-        return cls(0, (), np.zeros((0, n_layers), dtype=bool), np.zeros((0, n_layers), dtype=np.int64))
-
 
 @dataclass(frozen=True)
 class ReusePlan:
@@ -83,6 +79,11 @@ class ReusePlan:
     @property
     def reused(self) -> int:
         return self.prefix - self.start
+
+    def without_reuse(self) -> "ReusePlan":
+        """The same match served with no reuse (still reported as cached_tokens); what it stores is
+        unchanged (the positions it would have reused are then computed in full)."""
+        return replace(self, prefix=0, depth=0, r=0.0, start=0, audit=False)
 
     @property
     def prefix_fraction(self) -> float:

@@ -8,6 +8,11 @@ class ConstraintError(ValueError):
     says what is wrong: the regex parser's message, the JSON-schema keyword, or the limit hit."""
 
 
+class BuildPoolBusy(ConstraintError):
+    """Every constraint build worker stayed busy past the build timeout: the constraint itself may
+    be fine (not cached as a failure); the client may retry."""
+
+
 class NoCompletion(RuntimeError):
     """No output that fully matches the constraint fits in the positions left (or the fixed tokens
     of the block admit none). The caller finishes the request with a finish reason that says so;

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _indexer
-from .errors import ConstraintError
+from .errors import BuildPoolBusy, ConstraintError
 from .vocab import TokenTable
 
 
@@ -161,7 +161,7 @@ class _WorkerPool:
         try:
             worker = self._idle.get(timeout=limits.build_timeout_s)
         except queue.Empty:
-            raise ConstraintError(f"the server is busy building other constraints (every one of its {len(self._all)} "
+            raise BuildPoolBusy(f"the server is busy building other constraints (every one of its {len(self._all)} "
                                   f"build workers stayed busy for {limits.build_timeout_s:g} s); try again") from None
         try:
             return worker.build(table, regex, limits)
@@ -225,11 +225,12 @@ def build_index(regex: str, table: TokenTable, limits: Limits) -> IndexData:
                 raise ConstraintError(f"regex too complex: {len(res['src'])} (state, token class) transitions "
                                       f"(limit {limits.max_class_edges})")
             data = IndexData(build_s=time.perf_counter() - t0, **res)
+        except BuildPoolBusy:  # not the regex's fault: not cached
+            raise
         except ConstraintError as e:
-            if "server is busy" not in str(e):  # a busy pool is not the regex's fault: not cached
-                with _LOCK:
-                    _CACHE[key] = e
-                    _trim()
+            with _LOCK:
+                _CACHE[key] = e
+                _trim()
             raise
         with _LOCK:
             _CACHE[key] = data

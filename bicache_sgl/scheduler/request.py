@@ -54,7 +54,7 @@ from ..decoding import (
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
 from ..models.config import ModelConfig
-from ..models.forward_batch import SeqKV, SeqWork
+from ..models.forward_batch import Capture, SeqKV, SeqWork
 from ..models.loader import GenerationDefaults, generation_defaults
 
 # Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no
@@ -300,15 +300,11 @@ class Req:
         if self.plan.dream:
             self._plan_dream(len(masked))
         self._pending = masked
-        plan = self.choice
-        depth = plan.depth if refresh else 0
-        skip = plan.reused if refresh else 0
         # an audited forward captures from its exact shadow: stored rows are then this request's own
         # context whatever the audit finds
-        capture = None if self.auditing else self.cache.capture
-        works.append(SeqWork(self.kv, self.x, positions, masked - self.shift, depth=depth, skip=skip,
-                             skip_from=plan.start, resume_rows=self.cache.resume_rows if skip else None,
-                             capture=capture))
+        own = self._own_work(positions, masked - self.shift, reuse=refresh,
+                             capture=None if self.auditing else self.cache.capture)
+        works.append(own)
         if self.uncond is not None:
             x_un, kv_un = self.uncond
             x_un[self.prompt_len:] = self.x[self.prompt_len:]
@@ -317,8 +313,17 @@ class Req:
             works.append(self._score_work())
         if self.auditing:  # first forward only: the same positions without reuse
             works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift, capture=self.cache.capture))
-        self._count(positions, depth, skip, n_layers)
+        self._count(positions, own.depth, own.skip, n_layers)
         return works
+
+    def _own_work(self, positions: np.ndarray, logit_positions: np.ndarray, *, reuse: bool,
+                  capture: Capture | None) -> SeqWork:
+        """This request's own sequence, reusing the planned span when ``reuse`` (its refresh
+        forwards; the span's rows are the pool's, the rest its private ones)."""
+        plan = self.choice
+        skip = plan.reused if reuse else 0
+        return SeqWork(self.kv, self.x, positions, logit_positions, depth=plan.depth if reuse else 0, skip=skip,
+                       skip_from=plan.start, resume_rows=self.cache.resume_rows if skip else None, capture=capture)
 
     def _plan_dream(self, n: int) -> None:
         """Dream's schedule for the next forward: skip the steps that unmask nothing, then keep
@@ -335,15 +340,13 @@ class Req:
             self.tstep, self._k = dream_next_transfer(n, self.tstep, self.timesteps)
 
     def _prefill_work(self) -> SeqWork:
-        pos = np.arange(self.prompt_len, dtype=np.int64)
-        plan = self.choice  # no reuse unless this is an output capture (facts: exact otherwise)
-        return SeqWork(self.kv, self.x, pos, np.zeros(0, dtype=np.int64), depth=plan.depth, skip=plan.reused,
-                       skip_from=plan.start, resume_rows=self.cache.resume_rows if plan.reused else None,
-                       capture=self.cache.capture)
+        # the plan reuses nothing unless this is an output capture (facts(): exact otherwise)
+        return self._own_work(np.arange(self.prompt_len, dtype=np.int64), np.zeros(0, dtype=np.int64), reuse=True,
+                              capture=self.cache.capture)
 
     def _score_work(self) -> SeqWork:
-        """Input likelihoods (docs/server.md, "Logprobs for a diffusion model"): mask positions [s, n) together and read
-        log p(token_i | unmasked rest) for each in one forward."""
+        """Input likelihoods (docs/server.md, "Logprobs for a diffusion model"): mask positions
+        [s, n) together and read log p(token_i | unmasked rest) for each in one forward."""
         n = self.prompt_len
         start = self.greq.logprob_start_len
         if start < 0:  # prefill-only with return_logprob and no start: every position
@@ -381,7 +384,7 @@ class Req:
             self.audit_pair = (plan.r, plan.depth, logits[0], logits[-1])
             logits = [logits[-1], *logits[1:-1]]
             self.kv, self.audit_kv = self.audit_kv, self.kv
-            self.cache.plan = ReusePlan(matched=plan.matched, seq_len=plan.seq_len)
+            self.cache.plan = plan.without_reuse()
             self.auditing, self.served_exact = False, True
         lg = logits[0]
         k = 1

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from radix import common_prefix_len
 
-from ..bicache.planner import ReusePlan
 from ..config import SamplingParams
 from ..io_struct import GenerateRequest
 
@@ -216,7 +215,7 @@ class Scheduler:
                     req.audit_kv = self._alloc_shadow(req.seq_len)  # outside the budget
                     req.auditing = req.audit_kv is not None
                     if not req.auditing:  # no room for the shadow: this request reuses nothing
-                        req.cache.plan = ReusePlan(matched=req.choice.matched, seq_len=req.choice.seq_len)
+                        req.cache.plan = req.choice.without_reuse()
                 self.cache.share(req.cache, req.kv)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)

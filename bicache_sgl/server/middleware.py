@@ -69,10 +69,8 @@ class AuthAndCount:
             receive = _limited_receive(receive, limit)
         status: list[int | None] = [None]
         gone = [False]  # the client hung up (a disconnect is the client's doing, not a server error)
-        inner_receive = receive  # (possibly the size-limited one)
-
-        async def receive_and_note() -> dict:
-            message = await inner_receive()
+        async def receive_and_note() -> dict:  # wraps the size-limited receive when a limit is set
+            message = await receive()
             if message.get("type") == "http.disconnect":
                 gone[0] = True
             return message
