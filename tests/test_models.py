@@ -1,7 +1,6 @@
 """Model code against an independent plain reference forward, and checkpoint errors."""
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -14,84 +13,14 @@ from bicache_sgl.attention import create_backend
 from bicache_sgl.models.config import CheckpointError
 from bicache_sgl.models.forward_batch import ForwardBatch, KVStore, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
-
-
-def _load_raw(folder: str) -> tuple[dict, dict]:
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    sd = {}
-    index = Path(folder) / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
-             else ["model.safetensors"])
-    for f in files:
-        sd.update(load_file(str(Path(folder) / f)))
-    return cfg, sd
+from bicache_sgl.reference import load_reference_model, reference_logits
 
 
 def reference_forward(folder: str, ids: list[int]) -> torch.Tensor:
-    """Plain fp32 forward written straight from the published architectures, independent of
-    bicache_sgl.models: returns per-position logits as each model defines them (Dream shifted)."""
-    cfg, sd = _load_raw(folder)
-    llada = cfg.get("model_type") == "llada"
-    if llada:
-        d, L, H = cfg["d_model"], cfg["n_layers"], cfg["n_heads"]
-        Hkv, eps, theta = cfg["n_kv_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]
-        P = "model.transformer."
-        emb, lnf = sd[P + "wte.weight"], sd[P + "ln_f.weight"]
-        head = sd[P + "wte.weight"] if cfg["weight_tying"] else sd[P + "ff_out.weight"]
-
-        def w(i, n):
-            return sd.get(f"{P}blocks.{i}.{n}")
-        names = dict(an="attn_norm.weight", q="q_proj.weight", k="k_proj.weight", v="v_proj.weight",
-                     o="attn_out.weight", fn="ff_norm.weight", g="ff_proj.weight", u="up_proj.weight",
-                     dn="ff_out.weight", qb="q_proj.bias", kb="k_proj.bias", vb="v_proj.bias")
-    else:
-        d, L, H = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
-        Hkv, eps, theta = cfg["num_key_value_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]
-        emb, lnf, head = sd["model.embed_tokens.weight"], sd["model.norm.weight"], sd["lm_head.weight"]
-
-        def w(i, n):
-            return sd.get(f"model.layers.{i}.{n}")
-        names = dict(an="input_layernorm.weight", q="self_attn.q_proj.weight", k="self_attn.k_proj.weight",
-                     v="self_attn.v_proj.weight", o="self_attn.o_proj.weight", fn="post_attention_layernorm.weight",
-                     g="mlp.gate_proj.weight", u="mlp.up_proj.weight", dn="mlp.down_proj.weight",
-                     qb="self_attn.q_proj.bias", kb="self_attn.k_proj.bias", vb="self_attn.v_proj.bias")
-    hd = d // H
-    N = len(ids)
-
-    def rms(x, g):
-        return g * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
-
-    inv = [1.0 / theta ** (2 * j / hd) for j in range(hd // 2)]
-    ang = torch.tensor([[p * f for f in inv] for p in range(N)], dtype=torch.float64)
-    cos, sin = torch.cos(ang).float(), torch.sin(ang).float()
-
-    def rope(x):  # x [heads, N, hd]; pairs (j, j + hd/2)
-        a, b = x[..., : hd // 2], x[..., hd // 2:]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-    x = emb[torch.tensor(ids)]
-    for i in range(L):
-        hn = rms(x, w(i, names["an"]))
-        q = hn @ w(i, names["q"]).T + (w(i, names["qb"]) if w(i, names["qb"]) is not None else 0)
-        k = hn @ w(i, names["k"]).T + (w(i, names["kb"]) if w(i, names["kb"]) is not None else 0)
-        v = hn @ w(i, names["v"]).T + (w(i, names["vb"]) if w(i, names["vb"]) is not None else 0)
-        q = rope(q.view(N, H, hd).transpose(0, 1))
-        k = rope(k.view(N, Hkv, hd).transpose(0, 1))
-        v = v.view(N, Hkv, hd).transpose(0, 1)
-        out = []
-        for h in range(H):
-            kh, vh = k[h // (H // Hkv)], v[h // (H // Hkv)]
-            att = torch.softmax(q[h] @ kh.T / math.sqrt(hd), dim=-1)  # no causal mask
-            out.append(att @ vh)
-        a = torch.stack(out, 0).transpose(0, 1).reshape(N, d)
-        x = x + a @ w(i, names["o"]).T
-        hn = rms(x, w(i, names["fn"]))
-        g = hn @ w(i, names["g"]).T
-        x = x + (g * torch.sigmoid(g) * (hn @ w(i, names["u"]).T)) @ w(i, names["dn"]).T
-    logits = rms(x, lnf) @ head.T
-    if not llada:  # Dream: position i is predicted by the output at i - 1
-        logits = torch.cat([logits[:1], logits[:-1]], dim=0)
-    return logits
+    """The independent plain reference forward (bicache_sgl.reference, float64, written straight
+    from the published architectures, no code shared with bicache_sgl.models): per-position logits
+    as each model defines them (Dream shifted), in float32."""
+    return reference_logits(load_reference_model(folder), ids).float()
 
 
 IDS = [5, 17, 200, 33, 33, 90, 4, 250, 11, 77, 3, 64]

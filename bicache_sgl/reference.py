@@ -1,0 +1,155 @@
+"""An independent float64 reference of the forward, written with plain torch ops from a checkpoint's
+tensors: no code shared with ``bicache_sgl.models`` (the checkpoint is read with safetensors alone,
+names mapped here), unbatched, one head at a time.
+
+It is what the runtime's forwards are checked against: the dense forward (``reference_logits``,
+tests/test_models.py), the depth-d forward whose positions [a, p) reuse a prefix state computed
+in another context (``reference_depth_forward``, tests/test_fidelity.py), and the self-test
+(``python -m bicache_sgl.selftest``).
+
+A reference model is a plain dict (``load_reference_model``): ``L``, ``H``, ``Hkv``, ``D``, ``hd``,
+``eps``, ``theta``, ``shift`` (1 for Dream: position i-1's output predicts token i), ``emb``
+[V, D], ``lnf`` [D], ``head`` [V, D] and ``layers``: per layer the weights ``an`` (attention
+norm), ``q``/``k``/``v``/``o`` (with biases ``qb``/``kb``/``vb`` or None), ``fn`` (MLP norm),
+``g``/``u``/``dn`` (SwiGLU gate, up, down), all float64 on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RefState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (residual entering the layer [N, D], K [N, Hkv, hd], V)
+
+
+def load_reference_model(folder: str | Path) -> dict[str, Any]:
+    """The checkpoint's tensors, read with safetensors alone, in float64 and plain names (LLaDA
+    or Dream format, single file or sharded)."""
+    from safetensors.torch import load_file
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    sd = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        sd.update({k: v.double() for k, v in load_file(str(f)).items()})
+    if cfg.get("model_type") == "llada":
+        P = "model.transformer."
+        layer_names = {"an": "attn_norm", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "attn_out",
+                       "fn": "ff_norm", "g": "ff_proj", "u": "up_proj", "dn": "ff_out"}
+        m = {"L": cfg["n_layers"], "H": cfg["n_heads"], "Hkv": cfg.get("n_kv_heads") or cfg["n_heads"],
+             "D": cfg["d_model"], "eps": cfg["rms_norm_eps"], "theta": cfg["rope_theta"], "shift": 0,
+             "emb": sd[P + "wte.weight"], "lnf": sd[P + "ln_f.weight"],
+             "head": sd[P + "wte.weight"] if cfg["weight_tying"] else sd[P + "ff_out.weight"]}
+        blk = P + "blocks.{i}."
+    else:
+        layer_names = {"an": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+                       "v": "self_attn.v_proj", "o": "self_attn.o_proj", "fn": "post_attention_layernorm",
+                       "g": "mlp.gate_proj", "u": "mlp.up_proj", "dn": "mlp.down_proj"}
+        m = {"L": cfg["num_hidden_layers"], "H": cfg["num_attention_heads"], "Hkv": cfg["num_key_value_heads"],
+             "D": cfg["hidden_size"], "eps": cfg["rms_norm_eps"], "theta": cfg["rope_theta"], "shift": 1,
+             "emb": sd["model.embed_tokens.weight"], "lnf": sd["model.norm.weight"], "head": sd["lm_head.weight"]}
+        blk = "model.layers.{i}."
+    m["layers"] = []
+    for i in range(m["L"]):
+        pre = blk.format(i=i)
+        w = {k: sd[pre + n + ".weight"] for k, n in layer_names.items()}
+        for k in ("q", "k", "v"):
+            w[k + "b"] = sd.get(pre + layer_names[k] + ".bias")
+        m["layers"].append(w)
+    m["hd"] = m["D"] // m["H"]
+    return m
+
+
+def _rms(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    return g * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [n, heads, hd] at positions pos [n]; rotates the pairs (j, j + hd/2) by pos * theta^(-2j/hd)."""
+    hd = x.shape[-1]
+    half = hd // 2
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / hd)
+    ang = pos.double()[:, None] * freq[None]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _proj(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x @ w.T + (b if b is not None else 0.0)
+
+
+def _qkv(m: dict, w: dict, x: torch.Tensor, pos: torch.Tensor) -> RefState:
+    n, H, Hkv, hd = x.shape[0], m["H"], m["Hkv"], m["hd"]
+    hn = _rms(x, w["an"], m["eps"])
+    q = _rope(_proj(hn, w["q"], w["qb"]).view(n, H, hd), pos, m["theta"])
+    k = _rope(_proj(hn, w["k"], w["kb"]).view(n, Hkv, hd), pos, m["theta"])
+    v = _proj(hn, w["v"], w["vb"]).view(n, Hkv, hd)
+    return q, k, v
+
+
+def _attend_and_mlp(m: dict, w: dict, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                    vals: torch.Tensor) -> torch.Tensor:
+    """x [n, D] rows whose queries q attend (bidirectionally) to keys/vals [N, Hkv, hd]."""
+    H, Hkv, hd = m["H"], m["Hkv"], m["hd"]
+    heads = []
+    for h in range(H):
+        kh, vh = keys[:, h // (H // Hkv)], vals[:, h // (H // Hkv)]
+        heads.append(torch.softmax(q[:, h] @ kh.T / math.sqrt(hd), dim=-1) @ vh)
+    x = x + torch.cat(heads, dim=-1) @ w["o"].T
+    hn = _rms(x, w["fn"], m["eps"])
+    gate = hn @ w["g"].T
+    return x + (gate * torch.sigmoid(gate) * (hn @ w["u"].T)) @ w["dn"].T
+
+
+def reference_states(m: dict, ids: Sequence[int]) -> list[RefState]:
+    """Plain dense forward: per layer (residual entering it, K after RoPE, V), all positions."""
+    pos = torch.arange(len(ids))
+    x = m["emb"][torch.tensor(list(ids))]
+    states = []
+    for w in m["layers"]:
+        q, k, v = _qkv(m, w, x, pos)
+        states.append((x, k, v))
+        x = _attend_and_mlp(m, w, x, q, k, v)
+    return states
+
+
+def reference_depth_forward(m: dict, ids: Sequence[int], p: int, d: int, cached: Sequence[RefState] | None,
+                            a: int = 0) -> torch.Tensor:
+    """Outputs (unshifted logits, [N, V]) of the sequence ``ids`` whose positions [a, p) reuse
+    ``cached`` (reference_states of another sequence with the same first p tokens) at depth d:
+    in layers < d those positions are not computed and their K/V are the cached ones; at layer d
+    they resume from the cached residual entering layer d. Positions < a (a recomputed head) and
+    >= p are computed at every layer. Rows in [a, p) are NaN when d == L. ``d == 0`` is the plain
+    dense forward (``cached`` unused)."""
+    N, L = len(ids), m["L"]
+    pos = torch.arange(N)
+    x = m["emb"][torch.tensor(list(ids))].clone()
+    if d > 0:
+        x[a:p] = float("nan")  # never computed below d: any use of it would show
+    keep = torch.cat([torch.arange(a), torch.arange(p, N)])  # positions computed below d
+    for li, w in enumerate(m["layers"]):
+        if li == d and 0 < d < L:
+            x[a:p] = cached[d][0][a:p]
+        if li < d and p > a:
+            q, k, v = _qkv(m, w, x[keep], pos[keep])
+            # keys in position order: the head, the cached span, the rest
+            k = torch.cat([k[:a], cached[li][1][a:p], k[a:]])
+            v = torch.cat([v[:a], cached[li][2][a:p], v[a:]])
+            x[keep] = _attend_and_mlp(m, w, x[keep], q, k, v)
+        else:
+            q, k, v = _qkv(m, w, x, pos)
+            x = _attend_and_mlp(m, w, x, q, k, v)
+    return _rms(x, m["lnf"], m["eps"]) @ m["head"].T
+
+
+def reference_logits(m: dict, ids: Sequence[int]) -> torch.Tensor:
+    """Per-position logits [N, V] as each model defines them: row i predicts token i (for Dream
+    the output at i - 1, shifted here; row 0 repeats row 0)."""
+    out = reference_depth_forward(m, ids, 0, 0, None)
+    if m["shift"]:
+        out = torch.cat([out[:1], out[:-1]], dim=0)
+    return out
