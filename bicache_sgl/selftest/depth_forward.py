@@ -91,9 +91,11 @@ class DepthForwardReport:
     logit_shift: int
     ref_shift: int  # the reference's reading of the checkpoint (1 for Dream)
     states_err: float = 0.0  # runtime dense forward's per-layer (h, K, V) vs the reference's, other context
+    ref_scale: float = 0.0  # max |reference logit| over the logits compared (errors scale with it)
     errors: list[tuple[int, int, int, str, float]] = field(default_factory=list)  # (p, a, d, alone|mixed, err)
     head_effect: dict[int, float] = field(default_factory=dict)  # p -> max_d |ref(a=p//3) - ref(a=0)|
     reuse_effect: list[tuple[int, int, float]] = field(default_factory=list)  # (p, d >= 1, |ref_d - ref_0|)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # the runtime's logits of each error, same order
 
     @property
     def max_err(self) -> float:
@@ -156,8 +158,10 @@ def compare_depth_forward(folder: str, device: torch.device, attn: AttentionBack
             st = store()
             mixed = _runtime(model, [work(st, d, a) for d in range(L + 1)], st, attn)
             for d in range(L + 1):
-                rep.errors.append((p, a, d, "alone", float((alone[d] - refs[d]).abs().max())))
-                rep.errors.append((p, a, d, "mixed", float((mixed[d * gen:(d + 1) * gen] - refs[d]).abs().max())))
+                rep.ref_scale = max(rep.ref_scale, float(refs[d][torch.isfinite(refs[d])].abs().max()))
+                for kind, out in (("alone", alone[d]), ("mixed", mixed[d * gen:(d + 1) * gen])):
+                    rep.errors.append((p, a, d, kind, float((out - refs[d]).abs().max())))
+                    rep.outputs.append(out)
             if a:
                 rep.head_effect[p] = max(float((refs[d] - by_a[0][d]).abs().max()) for d in range(1, L + 1))
         for d in range(1, L + 1):
