@@ -1,0 +1,125 @@
+"""``python -m bicache_sgl.selftest``: the whole command on the CPU (exit 0, every row), and the
+battery's checks reporting a mismatch when the runtime under them is broken (real engines and
+forwards with a deliberately wrong attention backend, in-process)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bicache_sgl import Engine
+from bicache_sgl.attention.torch_backend import TorchAttention
+from bicache_sgl.models.loader import default_model_path
+from bicache_sgl.selftest.battery import (
+    ENGINE_DECODE,
+    LOGPROB_TOL,
+    check_batched_equals_alone,
+    check_depth0_equals_off,
+    check_depth_forward,
+    fewshot_workload,
+)
+from bicache_sgl.selftest.cli import parse_args
+from bicache_sgl.selftest.report import FAIL, PASS, exit_status, format_table
+
+CPU = torch.device("cpu")
+EXACTNESS_ROWS = ("depth 0 == cache off", "batched == alone (mixed depths)",
+                  "depth-d forward vs float64 (bundled LLaDA)", "depth-d forward vs float64 (random Dream, GQA)")
+
+
+def test_selftest_command_on_cpu_passes_and_prints_every_row():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "bicache_sgl.selftest", "--device", "cpu", "--probe-seconds", "2",
+           "--num-threads", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
+    out = r.stdout
+    assert r.returncode == 0, f"{out}\n{r.stderr[-3000:]}"
+    assert out.startswith("device: cpu")
+
+    def row(check: str) -> str:
+        found = [line for line in out.splitlines() if f"  {check}  " in line]
+        assert len(found) == 1, (check, out)
+        return found[0]
+    for check in EXACTNESS_ROWS:
+        assert f"  {PASS}  " in row(check), row(check)
+    fi = row("flashinfer == torch backend")
+    if importlib.util.find_spec("flashinfer") is None:
+        assert "skipped: flashinfer not installed" in fi
+    else:  # installed on a machine without CUDA: skipped for that reason, never a pass
+        assert "skipped: flashinfer needs a CUDA device" in fi
+    assert "prefix pool" in row("sizing: bundled model") and "request K/V" in row("sizing: bundled model")
+    assert "full depth 32" in row("sizing: LLaDA-8B shape (no weights)")
+    # K+V+h of one LLaDA-8B layer-token in float32 (the CPU's dtype): (2 * 4096 + 4096) * 4 bytes
+    assert "49,152 B each" in row("sizing: LLaDA-8B shape (no weights)")
+    for mode in ("cache off", "bicache"):
+        assert "output tok/s" in row(mode)
+    ratio = row("bicache / off").split("info", 1)[1].split()[0]
+    assert ratio.endswith("x") and float(ratio[:-1]) > 0
+    assert "selftest: OK: 4 passed, 0 failed, 1 skipped" in out
+
+
+class StaleLayerAttention(TorchAttention):
+    """An off-by-one-layer bug: every layer but the first attends to the previous layer's keys."""
+
+    name = "stale-layer"
+
+    def attend(self, q, k_store, v_store, layer, q_indptr, layout_key):
+        return super().attend(q, k_store, v_store, max(0, layer - 1), q_indptr, layout_key)
+
+
+class NeighbourLeakAttention(TorchAttention):
+    """A batching bug: in a forward of several sequences each one also sees the first one's keys
+    (a key mask that forgot a neighbour). Alone, it is exactly the torch backend."""
+
+    name = "neighbour-leak"
+
+    def begin_forward(self, kv_rows):
+        rows = list(kv_rows)
+        super().begin_forward([r if i == 0 else np.concatenate([r, rows[0]], axis=1) for i, r in enumerate(rows)])
+
+
+def test_depth_forward_check_reports_a_broken_backend(tiny_llada):
+    good = check_depth_forward(tiny_llada, "tiny", CPU, TorchAttention())
+    bad = check_depth_forward(tiny_llada, "tiny", CPU, StaleLayerAttention())
+    assert good.status == PASS, good
+    assert bad.status == FAIL and "forwards beyond the bound" in bad.detail, bad
+    assert exit_status([good]) == 0 and exit_status([good, bad]) == 1
+    assert "FAIL" in format_table([good, bad]).splitlines()[-1]
+
+
+def test_batched_equals_alone_reports_a_batch_that_leaks():
+    """Real engines on the bundled model; the leaking backend is swapped into each engine's
+    runner. Alone requests are unaffected (depth 0 == off still passes); batched ones differ."""
+    work = fewshot_workload()
+
+    def make(mode: str) -> Engine:
+        eng = Engine(default_model_path(), prefix_cache=mode, device="cpu", num_threads=1, **ENGINE_DECODE)
+        eng.runner.attn = NeighbourLeakAttention()
+        return eng
+    assert check_depth0_equals_off(make, work).status == PASS
+    row = check_batched_equals_alone(make, work, n_layers=8)
+    # the model is so sure of its answers that the tokens survive; the top-5 logprobs do not
+    assert row.status == FAIL, row
+    diff = float(row.detail.split("logprobs within ")[1].split(";")[0])
+    assert diff > 100 * LOGPROB_TOL, row
+
+
+def test_bad_arguments_exit_2_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--attention-backend", "nope"])
+    assert e.value.code == 2 and "--attention-backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--probe-seconds", "-1"])
+    assert e.value.code == 2 and "--probe-seconds" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--device", "cuda"])
+        assert e.value.code == 2 and "--device" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--device", "cpu", "--attention-backend", "flashinfer"])
+        assert e.value.code == 2 and "--attention-backend flashinfer" in capsys.readouterr().err
