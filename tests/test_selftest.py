@@ -123,3 +123,25 @@ def test_bad_arguments_exit_2_naming_the_flag(capsys):
         with pytest.raises(SystemExit) as e:
             parse_args(["--device", "cpu", "--attention-backend", "flashinfer"])
         assert e.value.code == 2 and "--attention-backend flashinfer" in capsys.readouterr().err
+
+
+def test_sizing_rows_are_the_engines_own_plan():
+    """The memory rows call plan_memory as the engine does: an engine on the bundled model ends up
+    with exactly the plan the self-test prints for it (and the LLaDA-8B shape is 8.0B parameters)."""
+    from bicache_sgl.models.config import parse_model_config
+    from bicache_sgl.selftest.sizing import LLADA_8B_CONFIG, engine_plan, memory_rows, weight_bytes
+    eng = Engine(default_model_path(), device="cpu", num_threads=1)
+    try:
+        dtype, plan = engine_plan(eng.model_config, CPU, eng.policy.max_node_depth)
+        assert plan == eng.memory and dtype == next(eng.model.parameters()).dtype
+    finally:
+        eng.shutdown()
+    bundled = memory_rows(default_model_path(), CPU)[0]
+    assert f"{plan.pool_rows:,} layer-tokens" in bundled.detail and f"{plan.request_tokens:,} tokens" in bundled.detail
+    cfg = parse_model_config(LLADA_8B_CONFIG)
+    assert (cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == (32, 4096, 32, 32, 126464)
+    assert round(weight_bytes(cfg, torch.bfloat16) / 2 / 1e9, 2) == 8.02
+    # on an H200 with the weights loaded: the pools fit what is left
+    free = (139 << 30) - weight_bytes(cfg, torch.bfloat16)
+    dtype, h200 = engine_plan(cfg, torch.device("cuda"), 32, free_bytes=free)
+    assert dtype == torch.bfloat16 and 0 < h200.pool_bytes + h200.request_bytes <= free

@@ -77,11 +77,12 @@ def memory_row(label: str, cfg: ModelConfig, device: torch.device, max_depth: in
     after = free - weights if device.type == "cuda" else None
     dtype, plan = engine_plan(cfg, device, max_depth, free_bytes=after)
     used = weights + plan.pool_bytes + plan.request_bytes
+    full = plan.pool_rows // max(1, max_depth)
     detail = (f"{str(dtype).removeprefix('torch.')} weights {weights / MiB:,.1f} MiB; {depth_note}: prefix pool "
-              f"{plan.pool_tokens:,} tokens / {plan.pool_rows:,} layer-tokens ({plan.pool_bytes / MiB:,.1f} MiB, "
-              f"{plan.pool_bytes_per_row:,} B each); request K/V {plan.request_tokens:,} tokens "
-              f"({plan.request_bytes / MiB:,.1f} MiB, {plan.request_bytes_per_token:,} B/token); "
-              f"{used / GiB:.2f} of {total / GiB:.1f} GiB {'free' if device.type == 'cuda' else 'host RAM'}")
+              f"{plan.pool_rows:,} layer-tokens = {full:,} tokens at depth {max_depth} ({plan.pool_bytes / MiB:,.1f} "
+              f"MiB, {plan.pool_bytes_per_row:,} B each; {plan.pool_tokens:,} token slots); request K/V "
+              f"{plan.request_tokens:,} tokens ({plan.request_bytes / MiB:,.1f} MiB, {plan.request_bytes_per_token:,} "
+              f"B/token); {used / GiB:.2f} of {total / GiB:.1f} GiB {'free' if device.type == 'cuda' else 'host RAM'}")
     if device.type == "cuda" and used > free:
         return Row(SECTION, name, FAIL, detail + f" exceeds the {free / GiB:.1f} GiB free")
     if used > total:  # the CPU's budgets are fixed; the weights alone may not fit this host
