@@ -24,7 +24,7 @@ from bicache_sgl.selftest.battery import (
     check_depth_forward,
     fewshot_workload,
 )
-from bicache_sgl.selftest.cli import parse_args
+from bicache_sgl.selftest.cli import guarded, parse_args
 from bicache_sgl.selftest.report import FAIL, PASS, exit_status, format_table
 
 CPU = torch.device("cpu")
@@ -107,6 +107,14 @@ def test_batched_equals_alone_reports_a_batch_that_leaks():
     assert row.status == FAIL, row
     diff = float(row.detail.split("logprobs within ")[1].split(";")[0])
     assert diff > 100 * LOGPROB_TOL, row
+
+
+def test_a_check_that_raises_is_a_failed_row_not_a_crash():
+    def broken_kernel():
+        raise RuntimeError("CUDA error: no kernel image is available")
+    rows = guarded("exactness", "flashinfer == torch backend", broken_kernel)
+    assert [r.status for r in rows] == [FAIL] and "RuntimeError: CUDA error" in rows[0].detail
+    assert exit_status(rows) == 1
 
 
 def test_bad_arguments_exit_2_naming_the_flag(capsys):

@@ -2,9 +2,10 @@
 mismatch, never an exception for a mismatch).
 
 - depth 0 == cache off: a ``fixed:0`` engine that finds the shared prefix in its cache (and so
-  matches but reuses nothing) gives the tokens of a cache-off engine;
-- batched == alone: requests at different bicache depths in ONE batch give the tokens each gives
-  alone (same cache state: only the shared prefix, captured by a prefix-only request);
+  matches but reuses nothing) gives the tokens (and top-5 logprobs) of a cache-off engine;
+- batched == alone: requests at different bicache depths in ONE batch give the tokens (and top-5
+  logprobs) each gives alone (same cache state: only the shared prefix, captured by a prefix-only
+  request);
 - depth-d forward vs float64: ``depth_forward.compare_depth_forward`` judged against a tolerance
   relative to the logits' scale, and only when reuse from another context moves the logits far
   beyond it (else the comparison proves nothing);
@@ -59,11 +60,12 @@ class Workload:
 
 
 def fewshot_workload(n_prompts: int = 4, num_shots: int = 5, seed: int = 0) -> Workload:
-    """``n_prompts`` held-out questions of ONE family of the bundled few-shot task."""
-    items = heldout_items(n_prompts, num_shots=num_shots, seed=seed, questions_per_family=min(n_prompts, num_shots))
-    prefix = items[0]["prefix"]
-    assert all(it["prefix"] == prefix for it in items), "the questions must share one family's prefix"
-    return Workload(prefix, tuple(it["prompt"] for it in items))
+    """``n_prompts`` held-out questions of ONE family of the bundled few-shot task (a family has
+    ``num_shots`` questions)."""
+    if not 1 <= n_prompts <= num_shots:
+        raise ValueError(f"n_prompts must be in [1, num_shots={num_shots}] (one family), got {n_prompts}")
+    items = heldout_items(n_prompts, num_shots=num_shots, seed=seed, questions_per_family=n_prompts)
+    return Workload(items[0]["prefix"], tuple(it["prompt"] for it in items))
 
 
 def run_requests(engine: Engine, greqs: Sequence[GenerateRequest], timeout: float = 300.0) -> list[RequestEvent]:

@@ -8,7 +8,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from ..models.loader import default_model_path, load_model_config
 from ..testing import make_tiny_dream
 from .battery import (
     ENGINE_DECODE,
+    SECTION,
     EngineFactory,
     check_batched_equals_alone,
     check_depth0_equals_off,
@@ -28,8 +29,10 @@ from .battery import (
     fewshot_workload,
 )
 from .probe import throughput_rows
-from .report import Row, exit_status, format_table, summary
+from .report import FAIL, Row, exit_status, format_table, summary
 from .sizing import memory_rows
+
+log = logging.getLogger("bicache_sgl.selftest")
 
 DESCRIPTION = """\
 Self-test of bicache-sgl on the device present (default: cuda if available, else cpu).
@@ -104,27 +107,43 @@ def device_line(device: torch.device) -> str:
     return f"device: {device.type} ({what}); torch {torch.__version__}"
 
 
+def guarded(section: str, check: str, fn: Callable[[], Row | list[Row]]) -> list[Row]:
+    """The rows of ``fn``; an exception (a kernel that fails on this device, say) is a FAIL row
+    naming it, so one broken check does not hide the others."""
+    try:
+        out = fn()
+    except Exception as e:  # every failure of a check is a result to report
+        log.exception("%s: %s raised", section, check)
+        return [Row(section, check, FAIL, f"raised {type(e).__name__}: {e}")]
+    return out if isinstance(out, list) else [out]
+
+
 def run(args: argparse.Namespace) -> list[Row]:
-    """Every row of the self-test, in table order."""
-    dev = args.device
-    rows = memory_rows(default_model_path(), dev)  # first: nothing of ours holds device memory yet
+    """Every row of the self-test, in table order: exactness, memory, throughput."""
+    dev, bundled = args.device, default_model_path()
+    n_layers = load_model_config(bundled).n_layers
     exact = engine_factory(dev, args.attention_backend, args.num_threads, **ENGINE_DECODE)
     work = fewshot_workload()
-    n_layers = load_model_config(default_model_path()).n_layers
-    rows.append(check_depth0_equals_off(exact, work))
-    rows.append(check_batched_equals_alone(exact, work, n_layers))
-    attn = create_backend(args.attention_backend, dev, torch.float32, load_model_config(default_model_path()).head_dim)
-    rows.append(check_depth_forward(default_model_path(), "bundled LLaDA", dev, attn))
+
+    def depth_row(folder: str, label: str) -> Row:
+        attn = create_backend(args.attention_backend, dev, torch.float32, load_model_config(folder).head_dim)
+        return check_depth_forward(folder, label, dev, attn)
+
+    # memory first: nothing of ours holds device memory yet
+    memory = guarded("memory", "sizing", lambda: memory_rows(bundled, dev))
+    rows = guarded(SECTION, "depth 0 == cache off", lambda: check_depth0_equals_off(exact, work))
+    rows += guarded(SECTION, "batched == alone (mixed depths)",
+                    lambda: check_batched_equals_alone(exact, work, n_layers))
     with tempfile.TemporaryDirectory(prefix="bicache-selftest-") as tmp:
         dream = make_tiny_dream(tmp, n_layers=4, hidden_size=64, n_heads=4, n_kv_heads=2)
-        attn = create_backend(args.attention_backend, dev, torch.float32, load_model_config(dream).head_dim)
-        rows.append(check_depth_forward(dream, "random Dream, GQA", dev, attn))
-    rows.append(check_flashinfer(dev))
+        for folder, label in ((bundled, "bundled LLaDA"), (dream, "random Dream, GQA")):
+            rows += guarded(SECTION, f"depth-d forward vs float64 ({label})",
+                            lambda f=folder, la=label: depth_row(f, la))
+    rows += guarded(SECTION, "flashinfer == torch backend", lambda: check_flashinfer(dev))
+    rows += memory
     serving = engine_factory(dev, args.attention_backend, args.num_threads)
-    rows.extend(throughput_rows(serving, args.probe_seconds))
-    # memory rows were measured first; the table reads exactness, memory, throughput
-    order = {"exactness": 0, "memory": 1, "throughput": 2}
-    return sorted(rows, key=lambda r: order[r.section])
+    rows += guarded("throughput", "bicache / off", lambda: throughput_rows(serving, args.probe_seconds))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
