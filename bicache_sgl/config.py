@@ -365,14 +365,11 @@ def parse_context_length(value: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
-_DECODING = "Default for every request; sampling_params.{} overrides it."
-
-
 @dataclass(frozen=True)
 class DecodeDefaults:
     """Engine-wide defaults for the diffusion knobs of SamplingParams (a request's value wins)."""
 
-    block_length: int = option(32, "Tokens per semi-autoregressive block. " + _DECODING.format("block_length"))
+    block_length: int = option(32, "Tokens per semi-autoregressive block.")
     steps_per_block: int | None = option(
         None, "Denoising steps per block (default: the checkpoint's generation_config.json steps, else one per "
               "token, or fewer with --threshold).")

@@ -110,7 +110,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
                 kw["choices"] = tuple(picks)
             if m.get("metavar"):
                 kw["metavar"] = m["metavar"]
-            if default is not None and "default" not in text.lower():
+            if default is not None and not any(w in text.lower() for w in ("default:", "(default", "default ")):
                 text = f"{text} (default: %(default)s)"
         kw["help"] = text.replace("%", "%%").replace("%%(default)s", "%(default)s")
         parser.add_argument(*(m.get("flags") or ("--" + f.name.replace("_", "-"),)), **kw)
