@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,8 @@ from bicache_sgl import cli
 from bicache_sgl.config import DecodeDefaults, EngineConfig
 from bicache_sgl.flags import flag_fields
 from bicache_sgl.server.args import ServerArgs, build_parser, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # option strings -> (dest, default, choices), as `python -m bicache_sgl.launch_server --help` had them
 SERVER_FLAGS: dict[str, tuple] = {
@@ -63,7 +68,8 @@ SERVER_FLAGS: dict[str, tuple] = {
     "--random-seed": ("random_seed", None, None),
     "--refresh-interval": ("refresh_interval", 0, None),
     "--remasking": ("remasking", None, ("low_confidence", "random")),
-    "--router-policy": ("router_policy", "cache_aware", ("cache_aware", "round_robin", "random", "power_of_two", "manual")),
+    "--router-policy": ("router_policy", "cache_aware",
+                        ("cache_aware", "round_robin", "random", "power_of_two", "manual")),
     "--served-model-name": ("served_model_name", None, None),
     "--skip-server-warmup": ("skip_server_warmup", False, None),
     "--step-rows": ("step_rows", "block", ("block", "active")),
@@ -93,6 +99,115 @@ CLI_FLAGS: dict[str, tuple] = {
     "--threshold": ("threshold", 0.9, None),
 }
 
+# the benchmark, training and example CLIs that share flags: option strings -> (dest, default)
+SHARED_FLAG_CLIS: dict[str, dict[str, tuple]] = {
+    "bicache_sgl/training/evaluate.py": {
+        "--bicache-profile": ("bicache_profile", None),
+        "--cached-context": ("cached_context", "first_request"),
+        "--control": ("control", "none,remove,shuffle"),
+        "--device": ("device", "auto"),
+        "--gen-length": ("gen_length", "8"),
+        "--kind": ("kind", "code"),
+        "--max-running-requests": ("max_running_requests", 64),
+        "--model": ("model", None),
+        "--num-questions": ("num_questions", 500),
+        "--num-shots": ("num_shots", "5"),
+        "--prefix-cache": ("prefix_cache", None),
+        "--seed": ("seed", 0),
+        "--threads": ("threads", 1),
+    },
+    "bicache_sgl/bench/fidelity.py": {
+        "--device": ("device", "cpu"),
+        "--fixed": ("fixed", "1,2,4"),
+        "--model": ("model", None),
+        "--num-questions": ("num_questions", 45),
+        "--out": ("out", None),
+        "--plot": ("plot", None),
+        "--r": ("r", "0.2,0.4,0.6,0.8"),
+        "--rows": ("rows", None),
+        "--steps": ("steps", 8),
+        "--threads": ("threads", 1),
+    },
+    "bicache_sgl/bench/serving_sweep.py": {
+        "--bicache-profile": ("bicache_profile", None),
+        "--block-length": ("block_length", 32),
+        "--concurrency": ("concurrency", "1,16"),
+        "--configs": ("configs", "vanilla,dual,naive+dual,bicache+dual"),
+        "--fewshot-questions": ("fewshot_questions", 96),
+        "--fewshot-shots": ("fewshot_shots", "6,8"),
+        "--gsp-groups": ("gsp_groups", 4),
+        "--gsp-per-group": ("gsp_per_group", 8),
+        "--interleave": ("interleave", False),
+        "--model-path": ("model_path", None),
+        "--no-plot": ("no_plot", False),
+        "--num-threads": ("num_threads", None),
+        "--out-dir": ("out_dir", None),
+        "--output-len": ("output_len", 32),
+        "--quick": ("quick", False),
+        "--ratios": ("ratios", "0.3,0.5,0.75,0.9"),
+        "--repeat": ("repeat", 1),
+        "--run-timeout": ("run_timeout", 900.0),
+        "--seed": ("seed", 1),
+        "--seq-len": ("seq_len", 512),
+        "--server-args": ("server_args", ""),
+        "--server-timeout": ("server_timeout", 300.0),
+        "--vanilla-min-r": ("vanilla_min_r", 0.75),
+    },
+    "examples/bench_decode.py": {
+        "--batch": ("batch", 8),
+        "--batch-gen-len": ("batch_gen_len", 64),
+        "--block-length": ("block_length", 32),
+        "--gen-len": ("gen_len", 256),
+        "--heads": ("heads", 8),
+        "--hidden": ("hidden", 512),
+        "--layers": ("layers", 8),
+        "--mlp": ("mlp", 1536),
+        "--prompt-len": ("prompt_len", 512),
+        "--steps": ("steps", 64),
+        "--threads": ("threads", None),
+    },
+    "examples/bench_prefix.py": {
+        "--audit-rate": ("audit_rate", None),
+        "--block-length": ("block_length", 32),
+        "--cache-mode": ("cache_mode", "dual"),
+        "--cache-prefix": ("cache_prefix", False),
+        "--calib-threshold": ("calib_threshold", 0.97),
+        "--device": ("device", "auto"),
+        "--dtype": ("dtype", "auto"),
+        "--groups": ("groups", None),
+        "--max-new-tokens": ("max_new_tokens", 32),
+        "--max-running-requests": ("max_running_requests", 16),
+        "--model-path": ("model_path", None),
+        "--modes": ("modes", "off,bicache,naive"),
+        "--per-group": ("per_group", None),
+        "--prefix-len": ("prefix_len", 320),
+        "--profile": ("profile", None),
+        "--question-len": ("question_len", 48),
+        "--random-heads": ("random_heads", 4),
+        "--random-hidden": ("random_hidden", 256),
+        "--random-layers": ("random_layers", 8),
+        "--repeat": ("repeat", 2),
+        "--seed": ("seed", 0),
+        "--shots": ("shots", 6),
+        "--task": ("task", "auto"),
+        "--threads": ("threads", None),
+        "--threshold": ("threshold", 0.9),
+    },
+    "examples/bench_step_rows.py": {
+        "--block-length": ("block_length", 32),
+        "--gen-len": ("gen_len", 96),
+        "--max-running": ("max_running", 8),
+        "--model-path": ("model_path", None),
+        "--prefix-cache": ("prefix_cache", "off"),
+        "--prompt-len": ("prompt_len", 384),
+        "--requests": ("requests", 32),
+        "--runs": ("runs", 2),
+        "--seed": ("seed", 0),
+        "--threads": ("threads", 1),
+        "--threshold": ("threshold", 0.9),
+    },
+}
+
 
 def flag_table(parser: argparse.ArgumentParser) -> dict[str, tuple]:
     return {"/".join(a.option_strings): (a.dest, a.default, tuple(a.choices) if a.choices else None)
@@ -109,6 +224,26 @@ def test_cli_flags_and_defaults_unchanged():
     # the shared flags bring the config's validation: --dtype is checked when parsed now
     assert table["--dtype"][2] == EngineConfig.__dataclass_fields__["dtype"].metadata["choices"]
     assert {k: v for k, v in table.items() if k != "--dtype"} == {k: v for k, v in CLI_FLAGS.items() if k != "--dtype"}
+
+
+def load_cli(path: str):
+    """A CLI module by its file (examples/ is not a package)."""
+    if path.startswith("bicache_sgl/"):
+        return importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    spec = importlib.util.spec_from_file_location("cli_" + Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", sorted(SHARED_FLAG_CLIS))
+def test_shared_flag_clis_unchanged(path):
+    parser = load_cli(path).build_parser()
+    assert {k: v[:2] for k, v in flag_table(parser).items()} == SHARED_FLAG_CLIS[path]
+    for a in parser._actions:
+        assert a.help != argparse.SUPPRESS
+    ns = parser.parse_args([])
+    assert {v[0]: v[1] for v in SHARED_FLAG_CLIS[path].values()} == vars(ns)
 
 
 def test_every_server_field_is_a_flag_and_the_parsed_defaults_are_the_dataclass_defaults():
