@@ -142,9 +142,9 @@ class SamplingParams:
     steps: int | None = None  # total denoising steps over the generation region
     steps_per_block: int | None = None  # alternative to ``steps``
     threshold: float | None = None  # Fast-dLLM confidence threshold; None/0 = fixed schedule
-    remasking: str | None = None
-    # unmasking algorithm (ALGORITHMS; wins over ``remasking``) and Dream's knobs: the last
-    # timestep of its schedule and the temperature of its position sampling (0: top-k)
+    # unmasking algorithm (ALGORITHMS) and Dream's knobs: the last timestep of its schedule and the
+    # temperature of its position sampling (0: top-k). The wire's ``remasking`` (LLaDA's two names)
+    # is the same setting: :meth:`from_dict` translates it (``dllm_algorithm`` wins when both are sent)
     dllm_algorithm: str | None = None
     eps: float | None = None
     alg_temp: float | None = None
@@ -191,8 +191,6 @@ class SamplingParams:
         if self.threshold is not None:
             _check(isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1,
                    f"threshold must be in [0, 1], got {self.threshold!r}")
-        if self.remasking is not None:
-            _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}, got {self.remasking!r}")
         if self.dllm_algorithm is not None:
             _check(self.dllm_algorithm in ALGORITHMS,
                    f"dllm_algorithm must be one of {', '.join(ALGORITHMS)}; got {self.dllm_algorithm!r}")
@@ -285,7 +283,15 @@ class SamplingParams:
             raise ValueError("sampling_params must be a JSON object")
         names = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
+        remasking = d.get("remasking")
+        if remasking is not None:
+            if remasking not in REMASKING:
+                raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+            if d.get("dllm_algorithm") is None:
+                kw["dllm_algorithm"] = remasking
         for k, v in d.items():
+            if k == "remasking":
+                continue
             k = cls._ALIASES.get(k, k)
             if v is None:  # null always means "the default", for every key
                 continue

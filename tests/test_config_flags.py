@@ -318,3 +318,15 @@ def test_engine_keywords_are_the_config_names():
 def test_server_args_public_dict_is_flat():
     d = parse_args(["--block-length", "16", "--api-key", "k"]).public_dict()
     assert d["block_length"] == 16 and "decode" not in d and d["api_key"] == "<redacted>"
+
+
+def test_request_remasking_is_translated_at_the_protocol_edge():
+    from bicache_sgl.config import SamplingParams
+
+    assert SamplingParams.from_dict({"remasking": "random"}).dllm_algorithm == "random"
+    both = SamplingParams.from_dict({"remasking": "random", "dllm_algorithm": "Entropy"})
+    assert both.dllm_algorithm == "entropy"
+    assert SamplingParams.from_dict({"remasking": "random", "dllm_algorithm": None}).dllm_algorithm == "random"
+    with pytest.raises(ValueError, match="remasking must be one of"):
+        SamplingParams.from_dict({"remasking": "bogus", "dllm_algorithm": "entropy"})
+    assert "remasking" not in {f.name for f in dataclasses.fields(SamplingParams)}

@@ -93,7 +93,7 @@ class DecodePlan:
         generation_config.json (``g``), the built-in default."""
         g = g or GenerationDefaults()
         block = p.block_length or d.block_length
-        alg = p.dllm_algorithm or p.remasking or d.dllm_algorithm or g.algorithm or "low_confidence"
+        alg = p.dllm_algorithm or d.dllm_algorithm or g.algorithm or "low_confidence"
         remasking = alg if alg in REMASKING else "low_confidence"
         cache_mode = p.cache_mode or d.cache_mode
         step_rows = p.step_rows or d.step_rows
