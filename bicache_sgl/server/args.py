@@ -5,6 +5,12 @@ is a startup error, not a silent single-device run). SGLang harnesses also pass 
 tune SGLang's own machinery (``--cuda-graph-bs``, ``--grammar-backend`` ...); flags this parser
 does not know are accepted with a warning naming them and listed in ``ignored_args`` of
 /get_server_info (``parse_known_args``), so such a harness can launch this server unchanged.
+
+Each setting is declared once: ``ServerArgs`` extends ``EngineConfig`` (whose ``decode`` holds the
+DecodeDefaults), every field carries its default and help string, and :func:`build_parser` makes a
+``--name-with-dashes`` flag of each (bicache_sgl/flags.py). Only SGLang's spellings that are not
+settings here (``--tp-size``, ``--remasking`` = ``--dllm-algorithm``, ...) are written out below,
+in ``_COMPAT_FLAGS``, and translated in :func:`parse_args`.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from bicache_sgl.config import (
 from bicache_sgl.flags import add_flags, flag_fields, flag_values, option
 from bicache_sgl.server.protocol import DEFAULT_MAX_N
 
-__all__ = ["ServerArgs", "build_parser", "parse_args", "parse_context_length", "redact_unknown",
+__all__ = ["LOG_LEVELS", "ServerArgs", "build_parser", "parse_args", "parse_context_length", "redact_unknown",
            "split_router_flags"]
 
 logger = logging.getLogger(__name__)
