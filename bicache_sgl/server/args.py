@@ -165,9 +165,9 @@ def _resolved_template(spec: str | None) -> str | None:
 
 def _attention_help() -> str:
     aliases = ", ".join(f"{a} = {b}" for a, b in ATTENTION_ALIASES.items())
-    return (f"Attention kernels, one of the attention registry's backends: {' | '.join(available_backends())} "
-            f"(torch: SDPA on any device; flashinfer: CUDA). SGLang's names: {aliases}; any other name falls back "
-            "to torch with a warning.")
+    return (f"Attention kernels, one of the attention registry's backends (bicache_sgl/attention): "
+            f"{' | '.join(available_backends())}. SGLang's names: {aliases}; any other name falls back to torch "
+            "with a warning.")
 
 
 # Flags of SGLang's command lines that are not settings here: each is accepted (and refuses a value
