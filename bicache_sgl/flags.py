@@ -81,12 +81,11 @@ def _default_of(f: dataclasses.Field) -> Any:
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
               only: Iterable[str] | None = None, skip: Iterable[str] = (),
-              defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None,
-              choices: Mapping[str, Iterable[Any]] | None = None) -> None:
-    """Add a flag for each field of ``cls`` (see :func:`flag_fields`). ``defaults`` / ``helps`` /
-    ``choices``: per-field replacements for a CLI whose default differs (a benchmark's
-    ``--prefix-cache off``) or whose choices come from a registry the config layer cannot import."""
-    defaults, helps, choices = defaults or {}, helps or {}, choices or {}
+              defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None) -> None:
+    """Add a flag for each field of ``cls`` (see :func:`flag_fields`). ``defaults`` / ``helps``:
+    per-field replacements for a CLI whose default differs (a benchmark's ``--prefix-cache off``)
+    or whose help names what the config layer cannot import (the attention registry)."""
+    defaults, helps = defaults or {}, helps or {}
     hints: dict[str, Any] = {}
     for klass in _dataclasses_in(cls):
         hints.update(typing.get_type_hints(klass))
@@ -105,9 +104,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
                 kw["type"] = _argparse_type(m["parse"], f.name)
             elif typ in (int, float):
                 kw["type"] = typ
-            picks = choices.get(f.name, m.get("choices"))
-            if picks is not None:
-                kw["choices"] = tuple(picks)
+            if m.get("choices") is not None:
+                kw["choices"] = m["choices"]
             if m.get("metavar"):
                 kw["metavar"] = m["metavar"]
             if default is not None and not any(w in text.lower() for w in ("default:", "(default", "default ")):

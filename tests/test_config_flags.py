@@ -18,7 +18,7 @@ import pytest
 
 from bicache_sgl import cli
 from bicache_sgl.config import DecodeDefaults, EngineConfig
-from bicache_sgl.flags import flag_fields
+from bicache_sgl.flags import add_flags, flag_fields, flag_values, option
 from bicache_sgl.server.args import ServerArgs, build_parser, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,3 +330,45 @@ def test_request_remasking_is_translated_at_the_protocol_edge():
     with pytest.raises(ValueError, match="remasking must be one of"):
         SamplingParams.from_dict({"remasking": "bogus", "dllm_algorithm": "entropy"})
     assert "remasking" not in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+# a small hierarchy for the helper itself (module level: the annotations are resolved by name)
+def _non_negative(v: str) -> int:
+    if int(v) < 0:
+        raise ValueError(f"count must be >= 0, got {v}")
+    return int(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    rate: float = option(0.5, "a rate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    name: str = option("x", "a name", flags=("--name", "-n"), choices=("x", "y"))
+    count: int | None = option(None, "a count", parse=_non_negative)
+    on: bool = option(False, "a switch")
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    derived: int = option(3, "not a flag", cli=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnByDefault:
+    on: bool = option(True, "a switch that cannot be turned off")
+
+
+def test_flags_helper_on_a_small_hierarchy(capsys):
+    p = argparse.ArgumentParser()
+    add_flags(p, Outer, defaults={"rate": 0.25})
+    assert Outer(**flag_values(p.parse_args([]), Outer)) == Outer(inner=Inner(rate=0.25))
+    got = Outer(**flag_values(p.parse_args(["-n", "y", "--count", "4", "--on", "--rate", "1"]), Outer, derived=7))
+    assert got == Outer(name="y", count=4, on=True, inner=Inner(rate=1.0), derived=7)
+    assert "(default: 0.25)" in p.format_help() and "--derived" not in p.format_help()
+    with pytest.raises(SystemExit):
+        p.parse_args(["--count", "-1"])
+    assert "count must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="help"):
+        option(1, "")
+    with pytest.raises(TypeError, match="default to False"):
+        add_flags(argparse.ArgumentParser(), OnByDefault)
