@@ -13,23 +13,29 @@ import logging
 import sys
 import time
 
+from .config import REMASKING
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The one-shot flags; the engine's settings among them are the server's flags (same names,
+    defaults and validation: built from EngineConfig's fields)."""
+    from .config import DecodeDefaults, EngineConfig
+    from .flags import add_flags
+
     ap = argparse.ArgumentParser(prog="python -m bicache_sgl", description="One-shot generation with a diffusion LM.")
     ap.add_argument("--model-path", default=None, help="checkpoint folder or hub id (default: the bundled model)")
     ap.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); '-' reads stdin")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="length of the answer (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    add_flags(ap, DecodeDefaults, only=("block_length",))
     ap.add_argument("--steps", type=int, default=None, help="total denoising steps (default: one per token)")
-    ap.add_argument("--threshold", type=float, default=0.9, help="Fast-dLLM confidence threshold (0: fixed schedule)")
-    ap.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
-    ap.add_argument("--cache-mode", choices=["none", "prefix", "dual"], default="dual")
-    ap.add_argument("--cfg-scale", type=float, default=0.0)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--attention-backend", default="torch")
+    add_flags(ap, DecodeDefaults, only=("threshold",))
+    ap.add_argument("--remasking", choices=REMASKING, default="low_confidence",
+                    help="LLaDA's unmasking algorithm (the server's --remasking; default: %(default)s)")
+    add_flags(ap, DecodeDefaults, only=("cache_mode",))
+    ap.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance scale (0: off)")
+    add_flags(ap, EngineConfig, only=("dtype", "device", "attention_backend"))
     ap.add_argument("--json", action="store_true", help="print the full result dicts as JSON")
     return ap
 
@@ -44,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [sys.stdin.read() if p == "-" else p.encode().decode("unicode_escape") for p in prompts]
     try:
         eng = Engine(args.model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-                     block_length=args.block_length, threshold=args.threshold or None, remasking=args.remasking,
+                     block_length=args.block_length, threshold=args.threshold or None,
+                     # low_confidence is also the built-in fallback: only another choice is set over the
+                     # checkpoint's generation_config.json alg
+                     dllm_algorithm=None if args.remasking == "low_confidence" else args.remasking,
                      cache_mode=args.cache_mode)
     except (CheckpointError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

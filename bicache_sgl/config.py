@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .flags import option
+
 REMASKING = ("low_confidence", "random")
 # Unmasking algorithms (docs/server.md, "Dream's generation algorithms"): LLaDA's two, on its
 # per-block linear schedule, and Dream's four (``diffusion_generate``), on its timestep schedule.
@@ -140,9 +142,9 @@ class SamplingParams:
     steps: int | None = None  # total denoising steps over the generation region
     steps_per_block: int | None = None  # alternative to ``steps``
     threshold: float | None = None  # Fast-dLLM confidence threshold; None/0 = fixed schedule
-    remasking: str | None = None
-    # unmasking algorithm (ALGORITHMS; wins over ``remasking``) and Dream's knobs: the last
-    # timestep of its schedule and the temperature of its position sampling (0: top-k)
+    # unmasking algorithm (ALGORITHMS) and Dream's knobs: the last timestep of its schedule and the
+    # temperature of its position sampling (0: top-k). The wire's ``remasking`` (LLaDA's two names)
+    # is the same setting: :meth:`from_dict` translates it (``dllm_algorithm`` wins when both are sent)
     dllm_algorithm: str | None = None
     eps: float | None = None
     alg_temp: float | None = None
@@ -189,8 +191,6 @@ class SamplingParams:
         if self.threshold is not None:
             _check(isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1,
                    f"threshold must be in [0, 1], got {self.threshold!r}")
-        if self.remasking is not None:
-            _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}, got {self.remasking!r}")
         if self.dllm_algorithm is not None:
             _check(self.dllm_algorithm in ALGORITHMS,
                    f"dllm_algorithm must be one of {', '.join(ALGORITHMS)}; got {self.dllm_algorithm!r}")
@@ -283,7 +283,15 @@ class SamplingParams:
             raise ValueError("sampling_params must be a JSON object")
         names = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
+        remasking = d.get("remasking")
+        if remasking is not None:
+            if remasking not in REMASKING:
+                raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+            if d.get("dllm_algorithm") is None:
+                kw["dllm_algorithm"] = remasking
         for k, v in d.items():
+            if k == "remasking":
+                continue
             k = cls._ALIASES.get(k, k)
             if v is None:  # null always means "the default", for every key
                 continue
@@ -330,34 +338,83 @@ class SamplingParams:
         return dataclasses.replace(self, **kw)
 
 
+def parse_threshold(value: str) -> float | None:
+    """``--threshold``: a number in [0, 1], or none/off/null (the fixed step schedule)."""
+    if str(value).lower() in ("none", "off", "null"):
+        return None
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError(f"threshold must be a number in [0, 1] or 'none', got {value!r}") from None
+    if not 0 <= v <= 1:
+        raise ValueError(f"threshold must be in [0, 1], got {value!r}")
+    return v
+
+
+def parse_prefix_cache(value: str) -> str:
+    """``--prefix-cache``: the mode as given, once :func:`parse_prefix_cache_mode` accepts it."""
+    parse_prefix_cache_mode(value)
+    return value
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]i?)?\s*$")
+_SIZE_UNITS = {"": 1, "k": 1000, "K": 1000, "ki": 1024, "Ki": 1024, "m": 1000**2, "M": 1000**2,
+               "mi": 1024**2, "Mi": 1024**2}
+
+
+def parse_context_length(value: str) -> int:
+    """``4096``, ``32k`` (x1000), ``1Ki`` (x1024), ``1M``/``1Mi``."""
+    m = _SIZE_RE.match(str(value))
+    mult = _SIZE_UNITS.get(m.group(2) or "") if m else None
+    if mult is None:
+        raise ValueError(f"invalid context length {value!r}")
+    return int(float(m.group(1)) * mult)
+
+
 @dataclass(frozen=True)
 class DecodeDefaults:
-    """Engine-wide defaults for the diffusion knobs of SamplingParams."""
+    """Engine-wide defaults for the diffusion knobs of SamplingParams (a request's value wins)."""
 
-    block_length: int = 32
-    steps_per_block: int | None = None  # None: one step per token (steps = generation length)
-    threshold: float | None = 0.9
-    remasking: str = "low_confidence"  # the built-in algorithm, below the model's generation_config
-    cache_mode: str = "dual"
-    refresh_interval: int = 0
-    step_rows: str = "block"
-    # --dllm-algorithm, --dllm-eps, --dllm-alg-temp: None = the model's generation_config.json
-    # value, else the built-in (``remasking``, DEFAULT_EPS, 0)
-    algorithm: str | None = None
-    eps: float | None = None
-    alg_temp: float | None = None
+    block_length: int = option(32, "Tokens per semi-autoregressive block.")
+    steps_per_block: int | None = option(
+        None, "Denoising steps per block (default: the checkpoint's generation_config.json steps, else one per "
+              "token, or fewer with --threshold).")
+    threshold: float | None = option(
+        0.9, "Confidence threshold for parallel unmasking (Fast-dLLM); 'none' = fixed schedule.",
+        parse=parse_threshold)
+    cache_mode: str = option("dual", "In-request KV cache: none | prefix | dual (Fast-dLLM).", choices=CACHE_MODES)
+    refresh_interval: int = option(0, "Steps between in-request cache refreshes (0 = at block starts only).")
+    step_rows: str = option(
+        "block", "Rows a dual-cache block step computes: 'block' = every position of the block (exact Fast-dLLM "
+                 "dual cache); 'active' = only the positions still masked plus those unmasked by the previous "
+                 "forward, whose K/V are then kept (fewer rows per step, approximate; docs/performance.md).",
+        choices=STEP_ROWS)
+    # None below: the checkpoint's generation_config.json value, else the built-in (low_confidence,
+    # DEFAULT_EPS, 0); resolved per request in scheduler/request.py (DecodePlan.resolve)
+    dllm_algorithm: str | None = option(
+        None, f"Unmasking algorithm, for LLaDA and Dream alike: {', '.join(ALGORITHMS)} (SGLang's LowConfidence "
+              "= low_confidence). Default: the checkpoint's generation_config.json 'alg', else low_confidence. "
+              "Requests override it with sampling_params.dllm_algorithm.")
+    dllm_eps: float | None = option(
+        None, f"Dream's schedule: the last timestep (default: generation_config.json, else {DEFAULT_EPS:g}).")
+    dllm_alg_temp: float | None = option(
+        None, "Dream's algorithms: sample the positions to unmask with softmax(confidence / T) instead of taking "
+              "the most confident (default: generation_config.json, else 0).")
 
     def __post_init__(self) -> None:
-        _check(self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}")
-        _check(self.steps_per_block is None or self.steps_per_block >= 1, "steps_per_block must be >= 1")
-        _check(self.threshold is None or 0 <= self.threshold <= 1, f"threshold must be in [0, 1], got {self.threshold}")
-        _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}")
-        _check(self.algorithm is None or self.algorithm in ALGORITHMS,
-               f"algorithm must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}")
-        _check_eps(self.eps, "eps")
-        _check_alg_temp(self.alg_temp, "alg_temp")
-        _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}")
-        _check(self.refresh_interval >= 0, "refresh_interval must be >= 0")
+        _check(is_int(self.block_length) and self.block_length >= 1,
+               f"block_length must be an integer >= 1, got {self.block_length!r}")
+        _check(self.steps_per_block is None or (is_int(self.steps_per_block) and self.steps_per_block >= 1),
+               f"steps_per_block must be an integer >= 1, got {self.steps_per_block!r}")
+        _check(self.threshold is None or (_is_num(self.threshold) and 0 <= self.threshold <= 1),
+               f"threshold must be in [0, 1], got {self.threshold!r}")
+        _check(self.dllm_algorithm is None or self.dllm_algorithm in ALGORITHMS,
+               f"dllm_algorithm must be one of {', '.join(ALGORITHMS)}; got {self.dllm_algorithm!r}")
+        _check_eps(self.dllm_eps, "dllm_eps")
+        _check_alg_temp(self.dllm_alg_temp, "dllm_alg_temp")
+        _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        _check(is_int(self.refresh_interval) and self.refresh_interval >= 0,
+               f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
         _check(self.step_rows in STEP_ROWS, f"step_rows must be one of {STEP_ROWS}, got {self.step_rows!r}")
         _check(self.step_rows == "block" or self.cache_mode == "dual",
                f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
@@ -365,61 +422,96 @@ class DecodeDefaults:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to load a model and run requests."""
+    """Everything the engine needs to load a model and run requests. Each field is also a flag of
+    ``bicache-sgl-server`` (bicache_sgl/flags.py builds them from the help strings below)."""
 
-    model_path: str | None = None  # None: the bundled default model
-    tokenizer_path: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"  # auto -> cuda when available, else cpu
-    attention_backend: str = "torch"
-    max_running_requests: int = 16
-    max_queued_requests: int | None = None  # None: unbounded queue
-    context_length: int | None = None
+    model_path: str | None = option(None, "Model folder (LLaDA/Dream checkpoint). Omit for the bundled default "
+                                          "model.", flags=("--model-path", "--model"))
+    tokenizer_path: str | None = option(None, "Tokenizer folder (default: the model path).")
+    dtype: str = option("auto", "Weights' dtype: auto (the checkpoint's on CUDA, float32 on CPU) or a torch "
+                                "dtype name.", choices=DTYPES)
+    device: str = option("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available, else cpu).")
+    # the names are the attention registry's (bicache_sgl/attention); the server lists them in --help
+    attention_backend: str = option("torch", "Attention kernels, by name in the attention registry.")
+    max_running_requests: int = option(16, "Requests decoded together in one batched forward.")
+    max_queued_requests: int | None = option(
+        None, "Waiting requests beyond this are refused with 503 (default: unbounded).")
+    context_length: int | None = option(
+        None, "Maximum prompt + generation length (default: from the model config). Accepts 32k, 1Ki.",
+        parse=parse_context_length)
     # prefix cache (bicache)
-    prefix_cache: str = "bicache"  # off | naive | bicache | fixed:N
-    max_prefix_cache_tokens: int | None = None  # None: derived from memory (kv_cache/memory.py)
-    # budget of private K/V positions over all running requests (None: derived from memory)
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    # None: bicache_profile.json beside the model, else "auto"; "auto": calibrate at start-up (cached
-    # on disk, bicache_sgl/calibration/auto.py); "none": no profile (depth 0); else a profile file
-    bicache_profile: str | None = None
-    calibration_budget_s: float = 40.0  # "auto": wall-clock budget of the start-up calibration
-    calibration_data: str | None = None  # "auto": jsonl prompts (calibrate CLI format); None: synthesised
-    bicache_audit_rate: float = 0.02  # fraction of reusing requests whose first forward is re-run without reuse
-    bicache_audit_min_agreement: float = 0.9  # top-1 agreement below which the audit lowers a bucket
-    # consecutive agreeing audits a bucket needs before it is trusted (None: DEFAULT_PROBATION for a
-    # first-run profile, 0 for a shipped or given one); until then every reusing request is audited
-    bicache_audit_probation: int | None = None
-    # multi-turn reuse: a finished request's prompt + answer is inserted into the prefix cache by one
-    # prefill-only forward over it (its capture context: exactly that conversation so far). Off by
-    # default: on this project's CPU numbers the extra forward costs more than the reuse it buys
-    # (docs/prefix_cache.md, "Multi-turn: caching finished outputs")
-    cache_output: bool = False
+    prefix_cache: str = option("bicache", "Shared-prefix KV cache: off | naive | bicache | fixed:N (N leading "
+                                          "layers).", parse=parse_prefix_cache)
+    max_prefix_cache_tokens: int | None = option(
+        None, "Token budget of the shared prefix pool (LRU eviction beyond it; default: derived from memory).")
+    max_total_tokens: int | None = option(
+        None, "Budget of K/V positions over all running requests; requests wait for room (default: derived from "
+              "memory).")
+    mem_fraction_static: float | None = option(
+        None, "Fraction of the free GPU memory for the prefix pool (CUDA; default: kv_cache/memory.py's).")
+    bicache_profile: str | None = option(
+        None, "The r -> depth profile for bicache: a JSON file, 'auto' (calibrate at start-up within "
+              "--calibration-budget-s and cache the result on disk, keyed by the checkpoint), or 'none' (no "
+              "reuse). Default: bicache_profile.json beside the model, else auto.")
+    calibration_budget_s: float = option(
+        40.0, "Wall-clock budget of the start-up calibration ('auto' profile); buckets not measured in time get "
+              "depth 0.")
+    calibration_data: str | None = option(
+        None, "Prompts for the start-up calibration (the calibrate CLI's jsonl/txt formats); default: prompts "
+              "synthesised from the tokenizer.")
+    bicache_audit_rate: float = option(
+        0.02, "Fraction of prefix-reusing requests whose first forward is also run without reuse; a profile "
+              "bucket whose reuse disagrees is lowered (0 turns the audit off).")
+    bicache_audit_min_agreement: float = option(
+        0.9, "Top-1 agreement at the masked positions below which the audit lowers a bucket.")
+    bicache_audit_probation: int | None = option(
+        None, "Consecutive agreeing audits a profile bucket needs before its depth is trusted; until then every "
+              f"reusing request in it is audited and answered from its exact forward. Default: {DEFAULT_PROBATION} "
+              "for a first-run (auto-calibrated) profile, 0 for a shipped or given one.")
+    # off by default: on this project's CPU numbers the extra forward costs more than the reuse it
+    # buys (docs/prefix_cache.md, "Multi-turn: caching finished outputs")
+    cache_output: bool = option(
+        False, "Multi-turn reuse: insert each finished request's prompt + answer into the prefix cache (one extra "
+               "prefill-only forward per request, its capture context exactly that conversation), so the next "
+               "turn also reuses the answer. Off by default: see docs/prefix_cache.md for when it pays.")
+    # flattened on the command line: each DecodeDefaults field is a flag of its own
     decode: DecodeDefaults = field(default_factory=DecodeDefaults)
-    random_seed: int = 0
-    chat_template: str | None = None
-    num_threads: int | None = None  # torch CPU threads
+    random_seed: int | None = option(None, "Seed of the engine's random draws for requests without a seed "
+                                           "(unset: 0).")
+    chat_template: str | None = option(
+        None, "Chat template for /v1/chat/completions: a Jinja file, a Jinja string, or a built-in name (chatml, "
+              "llama-3, default). Default: the tokenizer's template, else a plain one. (The server resolves it; "
+              "the engine gets the template text.)")
+    num_threads: int | None = option(
+        None, "torch CPU threads of the engine (default: every CPU but one, at most torch's own default; "
+              "OMP_NUM_THREADS, when set, is followed instead). The HTTP server process uses 1.")
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
-        _check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
-        _check(self.context_length is None or self.context_length >= 1, "context_length must be >= 1")
+        for name in ("max_running_requests", "max_queued_requests", "context_length", "max_prefix_cache_tokens",
+                     "max_total_tokens", "bicache_audit_probation", "num_threads"):
+            v = getattr(self, name)
+            lo = 0 if name in ("max_queued_requests", "max_prefix_cache_tokens", "bicache_audit_probation") else 1
+            if v is not None or name == "max_running_requests":
+                _check(is_int(v) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+        _check(self.random_seed is None or is_int(self.random_seed),
+               f"random_seed must be an integer, got {self.random_seed!r}")
         parse_prefix_cache_mode(self.prefix_cache)
-        _check(self.max_prefix_cache_tokens is None or self.max_prefix_cache_tokens >= 0,
-               "max_prefix_cache_tokens must be >= 0")
-        _check(self.calibration_budget_s >= 0, f"calibration_budget_s must be >= 0, got {self.calibration_budget_s}")
-        _check(0 <= self.bicache_audit_rate <= 1,
-               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate}")
-        _check(0 <= self.bicache_audit_min_agreement <= 1,
-               f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement}")
-        _check(self.bicache_audit_probation is None or self.bicache_audit_probation >= 0,
-               f"bicache_audit_probation must be >= 0, got {self.bicache_audit_probation}")
-        _check(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens must be >= 1")
-        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
-               "mem_fraction_static must be in (0, 1)")
+        _check(_is_num(self.calibration_budget_s) and self.calibration_budget_s >= 0,
+               f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
+        _check(_is_num(self.bicache_audit_rate) and 0 <= self.bicache_audit_rate <= 1,
+               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
+        _check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,
+               f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement!r}")
+        _check(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static)
+                                                    and 0 < self.mem_fraction_static < 1),
+               f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         _check(isinstance(self.decode, DecodeDefaults), "decode must be a DecodeDefaults")
+
+    @property
+    def seed(self) -> int:
+        """The engine's base seed (``random_seed``, unset: 0)."""
+        return 0 if self.random_seed is None else self.random_seed
 
     @property
     def prefix_cache_kind(self) -> tuple[str, int | None]:

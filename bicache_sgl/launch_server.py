@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bicache_sgl.server.args import ServerArgs, parse_args
+from bicache_sgl.server.args import LOG_LEVELS, ServerArgs, parse_args
 
 if TYPE_CHECKING:  # the engine package loads torch; the flags parse without it
     from bicache_sgl.engine.interface import EngineClient
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             level = argv[i + 1].lower()
         elif a.startswith("--log-level="):
             level = a.split("=", 1)[1].lower()
-    setup_logging(level if level in ("debug", "info", "warning", "error", "critical") else "info")
+    setup_logging(level if level in LOG_LEVELS else "info")
     args = parse_args(argv)
     if args.dp_size > 1:  # N workers behind sglang-router; this process only supervises them
         from bicache_sgl.router import launch_data_parallel

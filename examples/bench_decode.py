@@ -17,7 +17,11 @@ import time
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
+    from bicache_sgl.config import DecodeDefaults
+    from bicache_sgl.flags import add_flags
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
@@ -25,12 +29,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mlp", type=int, default=1536)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=256)
-    ap.add_argument("--block-length", type=int, default=32)
+    add_flags(ap, DecodeDefaults, only=("block_length",))
     ap.add_argument("--steps", type=int, default=64, help="total denoising steps (same for every mode)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batch-gen-len", type=int, default=64, help="generation length in the batching comparison")
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     from bicache_sgl import Engine
     from bicache_sgl.testing import make_tiny_llada

@@ -41,7 +41,11 @@ import time
 from pathlib import Path
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
+    from bicache_sgl.config import DecodeDefaults, EngineConfig
+    from bicache_sgl.flags import add_flags
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None,
                     help="checkpoint folder (default: random: a random-weight model; fewshot: the bundled model)")
@@ -55,9 +59,8 @@ def parse_args(argv):
     ap.add_argument("--question-len", type=int, default=48, help="random task: per-request tokens after the prefix")
     ap.add_argument("--shots", type=int, default=6, help="fewshot task: examples in each prefix")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--block-length", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.9, help="confidence-threshold decoding (0: fixed schedule)")
-    ap.add_argument("--cache-mode", default="dual", choices=("none", "prefix", "dual"))
+    add_flags(ap, DecodeDefaults, only=("block_length", "threshold", "cache_mode"),
+              helps={"threshold": "confidence-threshold decoding (0 or none: fixed schedule)"})
     ap.add_argument("--modes", default="off,bicache,naive", help="comma-separated --prefix-cache modes")
     ap.add_argument("--profile", default=None, help="bicache profile JSON for the bicache mode")
     ap.add_argument("--audit-rate", type=float, default=None,
@@ -67,17 +70,20 @@ def parse_args(argv):
     ap.add_argument("--cache-prefix", action="store_true",
                     help="send each group's prefix first as a prefill-only request (what SGLang frontends do "
                          "for fork/cache_prefix); otherwise the first request of a group inserts it")
-    ap.add_argument("--max-running-requests", type=int, default=16)
+    add_flags(ap, EngineConfig, only=("max_running_requests",))
     ap.add_argument("--repeat", type=int, default=2,
                     help="round-robin runs per mode, each on a fresh engine; the fastest is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_flags(ap, EngineConfig, only=("device", "dtype"))
     ap.add_argument("--random-layers", type=int, default=8, help="random model: layers")
     ap.add_argument("--random-hidden", type=int, default=256, help="random model: hidden size")
     ap.add_argument("--random-heads", type=int, default=4, help="random model: heads")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     if args.task == "auto":
         from bicache_sgl.models.loader import default_model_path
         have = args.model_path is None and (Path(default_model_path()) / "config.json").exists()

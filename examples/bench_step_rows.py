@@ -23,19 +23,28 @@ import random
 import time
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
+    from bicache_sgl.config import DecodeDefaults, EngineConfig
+    from bicache_sgl.flags import add_flags
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="default: bicache_sgl/assets/context_model")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=384, help="characters of source in each prompt")
     ap.add_argument("--gen-len", type=int, default=96, help="tokens generated per request")
-    ap.add_argument("--block-length", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.9, help="0: one token per step (fixed schedule)")
-    ap.add_argument("--prefix-cache", default="off")
+    add_flags(ap, DecodeDefaults, only=("block_length", "threshold"),
+              helps={"threshold": "0 or none: one token per step (fixed schedule)"})
+    add_flags(ap, EngineConfig, only=("prefix_cache",), defaults={"prefix_cache": "off"})
     ap.add_argument("--max-running", type=int, default=8)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if min(args.requests, args.prompt_len, args.gen_len, args.block_length, args.runs) < 1:
         ap.error("--requests, --prompt-len, --gen-len, --block-length and --runs must be >= 1")

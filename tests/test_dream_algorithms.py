@@ -191,7 +191,7 @@ def test_engine_with_the_flags_equals_reference(tiny_dream, dream):
     model, cfg, _, prompts = dream
     eng = Engine(config=EngineConfig(model_path=tiny_dream, dtype="float32", prefix_cache="off", num_threads=1,
                                      decode=DecodeDefaults(block_length=G, threshold=0.0, cache_mode="none",
-                                                           algorithm="entropy")))
+                                                           dllm_algorithm="entropy")))
     try:
         ends = set(eng.eos_ids)
         for prompt in prompts:
@@ -362,10 +362,10 @@ def test_server_flags(capsys):
     from bicache_sgl.server.args import parse_args
     a = parse_args(["--dllm-algorithm", "MaskGIT_Plus", "--dllm-eps", "0.01", "--dllm-alg-temp", "0.3"])
     d = a.engine_config().decode
-    assert (d.algorithm, d.eps, d.alg_temp, d.remasking) == ("maskgit_plus", 0.01, 0.3, "low_confidence")
+    assert (d.dllm_algorithm, d.dllm_eps, d.dllm_alg_temp) == ("maskgit_plus", 0.01, 0.3)
     d = parse_args([]).engine_config().decode  # unset: the checkpoint's generation_config, else built-in
-    assert (d.algorithm, d.eps, d.alg_temp, d.remasking) == (None, None, None, "low_confidence")
-    assert parse_args(["--remasking", "random"]).engine_config().decode.algorithm == "random"
+    assert (d.dllm_algorithm, d.dllm_eps, d.dllm_alg_temp) == (None, None, None)
+    assert parse_args(["--remasking", "random"]).engine_config().decode.dllm_algorithm == "random"
     with pytest.raises(SystemExit):
         parse_args(["--dllm-algorithm", "JointThreshold"])
     err = capsys.readouterr().err
@@ -458,10 +458,11 @@ def test_generation_config_defaults_and_precedence(tiny_dream, tmp_path, caplog)
     pl, p = plan({})  # generation_config over the built-in defaults
     assert (pl.algorithm, pl.eps, pl.alg_temp, pl.steps_per_block, p.temperature, p.top_p) == \
         ("entropy", 0.01, 0.0, 16, 0.0, 0.95)
-    pl, p = plan({}, DecodeDefaults(algorithm="topk_margin", eps=0.1, alg_temp=0.2, steps_per_block=4))  # flags
+    flags = DecodeDefaults(dllm_algorithm="topk_margin", dllm_eps=0.1, dllm_alg_temp=0.2, steps_per_block=4)
+    pl, p = plan({}, flags)
     assert (pl.algorithm, pl.eps, pl.alg_temp, pl.steps_per_block) == ("topk_margin", 0.1, 0.2, 4)
     pl, p = plan({"dllm_algorithm": "origin", "eps": 0.2, "alg_temp": 0.5, "steps": 8, "temperature": 0.7,
-                  "top_p": 1.0}, DecodeDefaults(algorithm="topk_margin", eps=0.1))  # the request over all
+                  "top_p": 1.0}, DecodeDefaults(dllm_algorithm="topk_margin", dllm_eps=0.1))  # the request over all
     assert (pl.algorithm, pl.eps, pl.alg_temp, pl.steps_per_block, p.temperature, p.top_p) == \
         ("origin", 0.2, 0.5, 8, 0.7, 1.0)
     pl, _ = plan({"remasking": "random"})  # a request's remasking is a request value too

@@ -42,8 +42,8 @@ def test_flags_map_to_engine_config(caplog):
     assert (cfg.prefix_cache, cfg.max_prefix_cache_tokens, cfg.attention_backend) == ("fixed:3", 4096, "torch")
     assert cfg.max_total_tokens == 9000
     d = cfg.decode
-    assert (d.block_length, d.steps_per_block, d.threshold, d.remasking, d.cache_mode) == (16, 4, None, "random",
-                                                                                         "prefix")
+    assert (d.block_length, d.steps_per_block, d.threshold, d.dllm_algorithm, d.cache_mode) == (16, 4, None, "random",
+                                                                                              "prefix")
     assert a.port == 1234 and a.url == "http://127.0.0.1:1234"
     assert a.ignored_args == ("--cuda-graph-bs", "4", "--disable-cuda-graph", "--grammar-backend", "none")
     assert "ignoring unsupported SGLang flags" in caplog.text
@@ -84,7 +84,7 @@ def test_unimplemented_flags_stop_the_launch(argv, message, capsys):
 def test_sglang_flags_with_their_single_device_values_are_accepted():
     a = parse_args(["--tp-size", "1", "--dp-size", "1", "--dllm-algorithm", "LowConfidence", "--remasking", "random",
                     "--trust-remote-code", "--enable-metrics"])
-    assert a.remasking == "low_confidence" and a.ignored_args == ()
+    assert a.decode.dllm_algorithm == "low_confidence" and a.ignored_args == ()
 
 
 def test_context_length_units():

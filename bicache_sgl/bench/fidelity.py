@@ -40,6 +40,9 @@ from typing import Any
 
 import torch
 
+from ..config import EngineConfig
+from ..flags import add_flags
+
 DEFAULT_RS = (0.2, 0.4, 0.6, 0.8)
 DEFAULT_FIXED = (1, 2, 4)
 
@@ -297,7 +300,8 @@ def planted_spec(folder: str, k: int = 2, n_layers: int = 6, calibrate: bool = T
     return ModelSpec("planted", path, "planted", profile=prof)
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", default=None,
                     help="NAME=PATH:KIND[:SHOTS] (KIND a task kind, or 'planted'); repeatable. Default: "
@@ -309,9 +313,13 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     ap.add_argument("--plot", default=None, help="PNG: accuracy against r per mode, one panel per model")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
+    add_flags(ap, EngineConfig, only=("device",), defaults={"device": "cpu"})
     ap.add_argument("--rows", default=None, help="render the table and plot from a JSON written by --out (no runs)")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def default_specs(tmp: str, threads: int) -> list[ModelSpec]:

@@ -63,6 +63,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import DecodeDefaults, EngineConfig
+from ..flags import add_flags
 from ..runtime import Runtime, parse_server_args, server_flags
 from .procmem import RSSSampler, proc_status_bytes
 
@@ -90,7 +92,8 @@ QUICK = {"ratios": "0.3,0.9", "concurrency": "1,16", "seq_len": 384, "gsp_groups
 
 # ---------------------------------------------------------------------------------------- arguments
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model-path", default=None, help="checkpoint folder (default: the bundled model)")
@@ -113,9 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vanilla-min-r", type=float, default=TARGET_R,
                     help="vanilla runs only the gsp workloads with r >= this (and the few-shot ones): with no "
                          "caching its cost does not depend on r, and it is by far the slowest configuration")
-    ap.add_argument("--block-length", type=int, default=32, help="server --block-length")
-    ap.add_argument("--num-threads", type=int, default=None,
-                    help="server --num-threads (default: the server's own default, as a user runs it)")
+    add_flags(ap, DecodeDefaults, only=("block_length",), helps={"block_length": "server --block-length"})
+    add_flags(ap, EngineConfig, only=("num_threads",),
+              helps={"num_threads": "server --num-threads (default: the server's own default, as a user runs it)"})
     ap.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--dtype float32'")
     ap.add_argument("--seed", type=int, default=1, help="bench_serving --seed (same workload for every config)")
     ap.add_argument("--out-dir", default=None, help="default: bench_results/<timestamp>")
@@ -132,6 +135,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "on each workload (robust to background load on a shared machine); default: one "
                          "server at a time")
     ap.add_argument("--no-plot", action="store_true")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.quick:
         given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}

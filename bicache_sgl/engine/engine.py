@@ -10,6 +10,7 @@ API. ``submit``/``abort`` are thread-safe; the HTTP layer never blocks on a forw
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -32,18 +33,12 @@ from .model_runner import ModelRunner, load
 
 log = logging.getLogger(__name__)
 
-_DECODE_FIELDS = ("block_length", "steps_per_block", "threshold", "remasking", "cache_mode", "refresh_interval",
-                  "step_rows",
-                  "algorithm", "eps", "alg_temp")
-# SGLang-style spellings of decode defaults accepted as Engine keyword arguments
-_DECODE_ALIASES = {"dllm_algorithm": "algorithm", "dllm_eps": "eps", "dllm_alg_temp": "alg_temp"}
+_DECODE_FIELDS = frozenset(f.name for f in dataclasses.fields(DecodeDefaults))
 
 
 def build_config(config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:
-    """EngineConfig from keyword arguments (decode defaults may be given flat)."""
-    for alias, name in _DECODE_ALIASES.items():
-        if alias in kwargs:
-            kwargs[name] = kwargs.pop(alias)
+    """EngineConfig from keyword arguments (decode defaults may be given flat, by their
+    DecodeDefaults names)."""
     decode_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_FIELDS}
     # None means "default" except for threshold, where None (or 0) means the fixed step schedule
     decode_kw = {k: v for k, v in decode_kw.items() if v is not None or k == "threshold"}
@@ -54,7 +49,7 @@ def build_config(config: EngineConfig | None = None, **kwargs: Any) -> EngineCon
             raise TypeError(f"unknown Engine argument(s): {', '.join(sorted(unknown))}")
         cfg = cfg.replace(**kwargs)
     if decode_kw:
-        cfg = cfg.replace(decode=DecodeDefaults(**{**cfg.decode.__dict__, **decode_kw}))
+        cfg = cfg.replace(decode=dataclasses.replace(cfg.decode, **decode_kw))
     return cfg
 
 
@@ -80,7 +75,7 @@ class Engine:
         if probation is None:  # a first-run profile was measured on synthesised prompts: trust is earned
             probation = DEFAULT_PROBATION if self.profile is not None and "auto" in self.profile.extra else 0
         self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile, audit_rate=cfg.bicache_audit_rate,
-                                  audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.random_seed,
+                                  audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.seed,
                                   probation=probation)
         self.audit = self.policy.audit
         if self.policy.name == "bicache" and self.profile is None:
@@ -111,7 +106,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._atexit_registered = False
-        self._seed_counter = cfg.random_seed
+        self._seed_counter = cfg.seed
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests

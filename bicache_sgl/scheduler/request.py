@@ -93,14 +93,14 @@ class DecodePlan:
         generation_config.json (``g``), the built-in default."""
         g = g or GenerationDefaults()
         block = p.block_length or d.block_length
-        alg = p.dllm_algorithm or p.remasking or d.algorithm or g.algorithm or d.remasking
+        alg = p.dllm_algorithm or d.dllm_algorithm or g.algorithm or "low_confidence"
         remasking = alg if alg in REMASKING else "low_confidence"
         cache_mode = p.cache_mode or d.cache_mode
         step_rows = p.step_rows or d.step_rows
         if step_rows != "block" and cache_mode != "dual":
             raise ValueError(f"step_rows {step_rows!r} needs cache_mode 'dual' (got {cache_mode!r})")
-        knobs = {"algorithm": alg, "eps": _first(p.eps, d.eps, g.eps, DEFAULT_EPS),
-                 "alg_temp": _first(p.alg_temp, d.alg_temp, g.alg_temp, 0.0), "step_rows": step_rows}
+        knobs = {"algorithm": alg, "eps": _first(p.eps, d.dllm_eps, g.eps, DEFAULT_EPS),
+                 "alg_temp": _first(p.alg_temp, d.dllm_alg_temp, g.alg_temp, 0.0), "step_rows": step_rows}
         if p.max_new_tokens <= 0:
             return cls(0, block, 1, None, remasking, cache_mode, 0, **knobs)
         n_blocks = -(-p.max_new_tokens // block)

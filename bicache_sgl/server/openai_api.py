@@ -178,7 +178,7 @@ def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit
                      "sequences (prompts x n)" if params.n > 1 else "prompts")
     items = []
     for pi, ids in enumerate(id_lists):
-        p = check_length(len(ids), params, explicit_max, state.context_length, state.args.block_length)
+        p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
         base = p.replace(n=1) if p.n > 1 else p
         for j in range(p.n):
             items.append(Item(input_ids=list(ids), params=base, logprob=lp, prompt_index=pi, sample_index=j))

@@ -25,6 +25,8 @@ import time
 from typing import Any
 
 from .. import Engine
+from ..config import EngineConfig
+from ..flags import add_flags
 from . import task
 
 
@@ -118,7 +120,8 @@ def score_modes(engine_for: Any, items: list, modes: list, gen_length: int = 8,
     return res
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
     ap.add_argument("--num-questions", type=int, default=500)
@@ -129,14 +132,17 @@ def main(argv=None):
                     help="comma-separated subset of none,remove,shuffle")
     ap.add_argument("--kind", default=task.DEFAULT_KIND, choices=list(task.KINDS))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--max-running-requests", type=int, default=64, help="requests decoded in one batch")
-    ap.add_argument("--device", default="auto")
+    add_flags(ap, EngineConfig, only=("max_running_requests", "device"), defaults={"max_running_requests": 64})
     ap.add_argument("--prefix-cache", default=None,
                     help="comma-separated prefix-cache modes scored side by side (e.g. off,naive,bicache)")
     ap.add_argument("--cached-context", default="first_request", choices=["first_request", "prefix_only"],
                     help="with --prefix-cache: how the shared prefixes are filled (see score_modes)")
-    ap.add_argument("--bicache-profile", default=None)
-    args = ap.parse_args(argv)
+    add_flags(ap, EngineConfig, only=("bicache_profile",))
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.prefix_cache:
         return _main_modes(args)
     engine = make_engine(args.model, args.threads, args.max_running_requests, device=args.device)
