@@ -141,6 +141,29 @@ def test_planted_model_without_a_profile_answers_as_cache_off_and_reuses_after_p
         eng.shutdown()
 
 
+def test_first_run_calibration_loads_the_weights_once(planted, monkeypatch):
+    """The calibration runs on the engine's own loaded model (a measurement stack on it), never on
+    a second copy: the checkpoint's weights are read exactly once for the whole start-up."""
+    from bicache_sgl.models import loader
+    reads = []
+    real = loader.load_state_dict
+
+    def counting(*args, **kwargs):
+        reads.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_state_dict", counting)
+    before = _counts()
+    eng = Engine(planted)
+    try:
+        assert _counts()["calibrations"] == before["calibrations"] + 1  # it did calibrate, cold
+        assert eng.profile is not None and sum(map(sum, eng.profile.extra["samples_first_step"].values())) > 0
+        assert reads == [str(planted)], reads  # one read of the weights: serving and calibration share them
+        assert eng.stack.model is eng.model is eng.runner.model
+    finally:
+        eng.shutdown()
+
+
 class _Clock:
     """auto's clock, advancing a fixed step per reading: the budget counts measurements, not seconds
     (deterministic on a loaded machine)."""
