@@ -212,14 +212,8 @@ def test_agreement_loads_the_weights_once_and_measures_on_them(tiny_llada, promp
     from bicache_sgl.engine.model_runner import load
     from bicache_sgl.engine.stack import measurement_stack
     from bicache_sgl.models import loader
-    reads = []
-    real = loader.load_state_dict
-
-    def counting(*args, **kwargs):
-        reads.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loader, "load_state_dict", counting)
+    reads, real = [], loader.load_state_dict  # counted; the real loader still reads the checkpoint
+    monkeypatch.setattr(loader, "load_state_dict", lambda path, *a, **kw: reads.append(path) or real(path, *a, **kw))
     out = tmp_path / "agreement.json"
     assert cli.main(["--model-path", tiny_llada, "--data", str(prompts_file), "--out", str(out), "--plot", "none",
                      "--criterion", "agreement", "--fractions", "50", "--gen-length", "8", "--block-length", "8",

@@ -145,14 +145,8 @@ def test_first_run_calibration_loads_the_weights_once(planted, monkeypatch):
     """The calibration runs on the engine's own loaded model (a measurement stack on it), never on
     a second copy: the checkpoint's weights are read exactly once for the whole start-up."""
     from bicache_sgl.models import loader
-    reads = []
-    real = loader.load_state_dict
-
-    def counting(*args, **kwargs):
-        reads.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loader, "load_state_dict", counting)
+    reads, real = [], loader.load_state_dict  # counted; the real loader still reads the checkpoint
+    monkeypatch.setattr(loader, "load_state_dict", lambda path, *a, **kw: reads.append(path) or real(path, *a, **kw))
     before = _counts()
     eng = Engine(planted)
     try:
