@@ -13,7 +13,7 @@ import torch
 
 from bicache_sgl import Engine
 from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile
-from bicache_sgl.calibration import auto, synth
+from bicache_sgl.calibration import auto, profile_cache, synth
 from bicache_sgl.config import DEFAULT_PROBATION, EngineConfig
 from bicache_sgl.models.loader import default_model_path
 from bicache_sgl.testing_planted import expected_answer, make_planted_llada
@@ -242,7 +242,7 @@ def test_checkpoint_fingerprint(tmp_path, monkeypatch):
     (b / "model.safetensors").write_bytes(b"y" * 100)
     assert auto.checkpoint_fingerprint(b)["model.safetensors"] != fa["model.safetensors"]
     # large files: size and mtime (hashing gigabytes at every start would cost what the cache saves)
-    monkeypatch.setattr(auto, "CONTENT_HASH_MAX_BYTES", 10)
+    monkeypatch.setattr(profile_cache, "CONTENT_HASH_MAX_BYTES", 10)
     big = auto.checkpoint_fingerprint(b)["model.safetensors"]
     assert big.startswith("size:100,mtime_ns:")
     # a Hugging Face hub snapshot links each file to a blob named by its digest

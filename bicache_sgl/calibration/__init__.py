@@ -30,7 +30,8 @@ Modules: ``driver`` (THE measurement driver: items, meters, the budgeted loop wi
 tallies; the command line and ``auto`` are its two front ends), ``data`` (jsonl records, tokens,
 planning of (sample, bucket) tasks and of the first request's context), ``synth`` (prompts
 synthesised from a tokenizer), ``measure`` (the meters and the depth rules), ``auto`` (the first-run
-profile: budget, cache, log), ``plot`` (the PNG).
+profile: budget, stages, log), ``profile_cache`` (its cache on disk: location, checkpoint
+fingerprint), ``plot`` (the PNG).
 """
 
 from .data import (

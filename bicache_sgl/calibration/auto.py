@@ -44,11 +44,13 @@ from ..bicache.profile import PROFILE_AUTO, PROFILE_FILENAME, BicacheProfile, fi
 from .data import DEFAULT_FRACTIONS, DataError, Record, Sample, gen_candidates, plan_tasks, read_data, tokenize
 from .driver import Driver, Item, MeasureStack, Tally, by_rounds, items_for
 from .measure import depth_from_agreement, safe_table
+from .profile_cache import CACHE_ENV, cache_dir, checkpoint_fingerprint, sha256_file
 from .synth import SHAPES, synthesize
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "BICACHE_SGL_CACHE"  # cache root; default ~/.cache/bicache_sgl
+__all__ = ["CACHE_ENV", "VERSION", "AutoCalibration", "cache_dir", "checkpoint_fingerprint", "resolve_profile", "stats"]
+
 # part of the cache key: bump when what is measured changes (2: pairs keep their question whole;
 # 3: four prompt shapes, chat and a shared head included)
 VERSION = 3
@@ -59,49 +61,9 @@ MAX_DATA_SAMPLES = 24  # samples used from --calibration-data
 DECODE_ROUNDS = 2  # decoding check: samples per (shape, bucket)
 FIRST_STEP_SHARE = 0.5  # of the budget, for the first-step meter beyond its first round
 UNINFORMATIVE_GIVE_UP = 8  # decoding check: stop after this many samples that all answered EOS at once
-CONTENT_HASH_MAX_BYTES = 32 << 20  # checkpoint files up to this size are hashed by content
-_HEX_BLOB = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")
 
 # counts for tests and logs: calibrations run, cached profiles used
 stats = {"calibrations": 0, "cache_hits": 0}
-
-
-def cache_dir() -> Path:
-    """``$BICACHE_SGL_CACHE`` or ``~/.cache/bicache_sgl``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "bicache_sgl"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def checkpoint_fingerprint(model_path: str | Path) -> dict[str, str]:
-    """File name -> identity, for every regular file of the checkpoint folder but the profile:
-    the content digest of files up to ``CONTENT_HASH_MAX_BYTES`` (config, tokenizer, small
-    weights), the Hugging Face blob digest of a hub snapshot's files (their link target is named
-    by it), and size + mtime (ns) of other large files. Hashing gigabytes of weights would make
-    every start pay what the cache saves; size + mtime changes whenever the weights are written
-    again (a new fine-tune, a new download), a copy that drops the mtime only costs one more
-    calibration, and a false hit would need other weights of the same sizes with the same
-    nanosecond mtimes."""
-    out: dict[str, str] = {}
-    for f in sorted(Path(model_path).iterdir()):
-        if f.name.startswith(".") or f.name == PROFILE_FILENAME or not f.is_file():
-            continue
-        real = f.resolve()
-        st = real.stat()
-        if f.is_symlink() and _HEX_BLOB.match(real.name):
-            out[f.name] = "blob:" + real.name
-        elif st.st_size <= CONTENT_HASH_MAX_BYTES:
-            out[f.name] = "sha256:" + _sha256_file(real)
-        else:
-            out[f.name] = f"size:{st.st_size},mtime_ns:{st.st_mtime_ns}"
-    return out
 
 
 def resolve_profile(cfg, loaded, measure_stack: Callable[..., MeasureStack] | None = None) -> BicacheProfile | None:
@@ -159,7 +121,7 @@ class AutoCalibration:
             p = Path(data)
             if not p.is_file():
                 raise DataError(f"calibration data file {data} does not exist")
-            src = {"file": "sha256:" + _sha256_file(p)}
+            src = {"file": "sha256:" + sha256_file(p)}
         else:
             src = {"synthesised": PROMPTS_PER_GROUP}
         return {"version": VERSION, "data": src, "fractions": self.fractions, "gen": self.gens[0],

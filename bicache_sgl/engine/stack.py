@@ -90,7 +90,11 @@ class Stack:
             self.scheduler.add(req)
         final: dict[int, RequestEvent] = {}
         while self.scheduler.has_work():
-            for req in self.step() or ():
+            emit = self.step()
+            if emit is None and self.scheduler.waiting:  # nothing runs and nothing can be admitted
+                raise RuntimeError(f"{len(self.scheduler.waiting)} request(s) do not fit this stack's K/V budget "
+                                   f"({self.scheduler.admission.kv_budget} positions)")
+            for req in emit or ():
                 if req.finished:
                     final[id(req)] = req.event()
         return [final[id(r)] for r in reqs]
