@@ -25,7 +25,7 @@ from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingPa
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..scheduler.request import Req
 from .model_runner import load
-from .stack import build_stack, measurement_stack
+from .stack import build_stack, context_length_of, measurement_stack
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Engine:
         self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
-        self.context_length = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.context_length = context_length_of(cfg, loaded)
         # a file, or ("auto": the default without one beside the model) calibrated now on this very
         # model through a measurement stack (no second copy of the weights), cached on disk
         # (bicache_sgl/calibration/auto.py)
