@@ -88,16 +88,12 @@ class Stack:
             if req.params.seed is None:
                 req.reseed(self.seed)
             self.scheduler.add(req)
-        final: dict[int, RequestEvent] = {}
         while self.scheduler.has_work():
-            emit = self.step()
-            if emit is None and self.scheduler.waiting:  # nothing runs and nothing can be admitted
+            if self.step() is None and self.scheduler.waiting:  # nothing runs and nothing can be admitted
                 raise RuntimeError(f"{len(self.scheduler.waiting)} request(s) do not fit this stack's K/V budget "
                                    f"({self.scheduler.admission.kv_budget} positions)")
-            for req in emit or ():
-                if req.finished:
-                    final[id(req)] = req.event()
-        return [final[id(r)] for r in reqs]
+        # every request has finished (a failure, at admission too, finishes it with its error)
+        return [r.event() for r in reqs]
 
     def flush(self) -> None:
         """Drop every cached prefix (no request may be running)."""
