@@ -1,10 +1,12 @@
-"""``python -m bicache_sgl.calibrate``: arguments, the measurement loop, the JSON and the summary.
+"""``python -m bicache_sgl.calibrate``: arguments, the JSON, the plot and the summary.
 
-This module sits above the engine (the ``agreement`` criterion builds an ``Engine`` and hands it to
-``bicache_sgl.calibration.AgreementMeter``); the measurement code in ``bicache_sgl.calibration``
-sits below it, so the engine can run a first-run calibration itself (``bicache_profile="auto"``,
-``bicache_sgl.calibration.auto``). The names scripts import from here (``Sample``,
-``kv_cosine_profile``, ...) are re-exported.
+A thin front end of the one measurement driver (``bicache_sgl.calibration.driver``), as the
+first-run profile (``bicache_sgl.calibration.auto``) is the other. This module sits above the
+engine: it loads the model once (``bicache_sgl.engine.model_runner.load``) and, for the
+``agreement`` criterion, builds a measurement stack on that same model
+(``bicache_sgl.engine.stack.measurement_stack``); the measurement code in
+``bicache_sgl.calibration`` sits below the engine. The names scripts import from here
+(``Sample``, ``kv_cosine_profile``, ...) are re-exported.
 """
 
 from __future__ import annotations
@@ -25,21 +27,19 @@ from .calibration.data import (
     DEFAULT_PAIR_TOLERANCE,
     DataError,
     Sample,
-    first_request_rest,
+    Task,
     gen_candidates,
     plan_task,
     plan_tasks,
     read_data,
     tokenize,
 )
+from .calibration.driver import Driver, Item, Tally, items_for
 from .calibration.measure import (
     DEPTH_RULES,
-    AgreementMeter,
-    SimilarityMeter,
     depth_from_agreement,
     depth_from_similarity,
     kv_cosine_profile,
-    mean_rows,
     safe_table,
     token_agreement,
 )
@@ -167,25 +167,18 @@ def _model_name(model_arg: str | None, resolved: str) -> str:
     return Path(resolved).resolve().name
 
 
-def _contexts(args: argparse.Namespace, samples, tasks) -> tuple[list, list]:
-    """Keep the tasks that the cached context can be built for; returns (tasks, contexts)."""
-    if args.cached_context == "prefix_only":
-        return tasks, [None] * len(tasks)
-    kept, ctxs = [], []
-    for t in tasks:
-        c = first_request_rest(samples, t)
-        if c is not None:
-            kept.append(t)
-            ctxs.append(c)
-    if not kept:
+def _items(args: argparse.Namespace, samples: Sequence[Sample], tasks: Sequence[Task]) -> list[Item]:
+    """The tasks the cached context can be built for, as the driver's items (one group)."""
+    items = items_for(samples, tasks, "data", args.cached_context)
+    if not items:
         raise DataError(f"{args.data}: --cached-context first_request needs, for each measurement, another sample "
                         "with a different question (a pair's whole suffix; for a prompt, at least as many tokens "
                         "as the measured request has after the prefix); one sample, or all alike, is not enough; "
                         "add samples or use --cached-context prefix_only")
-    if len(kept) < len(tasks):
+    if len(items) < len(tasks):
         log.warning("first_request: %d of %d measurements skipped (no other sample with a different question, "
-                    "long enough for a prompt)", len(tasks) - len(kept), len(tasks))
-    return kept, ctxs
+                    "long enough for a prompt)", len(tasks) - len(items), len(tasks))
+    return items
 
 
 def _log_pair_placement(samples: Sequence[Sample], fractions: Sequence[float], tasks, tol: float) -> None:
@@ -206,12 +199,32 @@ def _log_pair_placement(samples: Sequence[Sample], fractions: Sequence[float], t
     log.info("%s", msg)
 
 
+def _driver(args: argparse.Namespace, model_path: str, items: Sequence[Item]) -> Driver:
+    """Load the model ONCE; for the agreement criterion, a measurement stack on that same model."""
+    from .engine.engine import build_config
+    from .engine.model_runner import load
+    from .engine.stack import measurement_stack
+
+    cfg = build_config(model_path=model_path, device=args.device, dtype=args.dtype, block_length=args.block_length,
+                       threshold=args.decode_threshold or None, cache_mode=args.cache_mode,
+                       steps_per_block=args.steps_per_block)
+    loaded = load(cfg)
+    stack = None
+    if args.criterion == "agreement":
+        # the pool only ever holds one S (flushed between measurements) plus one request's tail: the
+        # measured one's or the first request's, whose (whole) question may be the longer
+        cap = max(max(it.task.prompt_len, it.task.s_len + len(it.context or ())) for it in items) + 1
+        stack = measurement_stack(cfg, loaded, max_running=loaded.model_config.n_layers + 1,
+                                  max_prefix_cache_tokens=cap)
+    return Driver(loaded.model, loaded.model_config.mask_token_id, loaded.device, stack,
+                  gen_length=args.gen_length, log=log)
+
+
 def calibrate(args: argparse.Namespace) -> dict:
     """Run the measurement; returns the profile dict (``BicacheProfile.to_dict`` shape + extras)."""
     import torch
-    from tqdm import tqdm
 
-    from .models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+    from .models.loader import load_model_config, load_tokenizer, resolve_model_path
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -235,63 +248,37 @@ def calibrate(args: argparse.Namespace) -> dict:
                         "at or below a bucket; raise --gen-length for lower fractions, lower --block-length for "
                         "a finer grid)")
     _log_pair_placement(samples, fractions, tasks, args.pair_tolerance)
-    tasks, contexts = _contexts(args, samples, tasks)
-
-    engine = None
-    if args.criterion == "agreement":
-        from .engine.engine import Engine
-        # the pool only ever holds one S (flushed between measurements) plus one request's tail: the
-        # measured one's or the first request's, whose (whole) question may be the longer
-        cap = max(max(t.prompt_len, t.s_len + len(c or ())) for t, c in zip(tasks, contexts)) + 1
-        engine = Engine(model_path, prefix_cache="naive", device=args.device, dtype=args.dtype,
-                        max_running_requests=L + 1, max_prefix_cache_tokens=cap, bicache_profile="none",
-                        block_length=args.block_length, threshold=args.decode_threshold or None,
-                        cache_mode=args.cache_mode, steps_per_block=args.steps_per_block)
-        model, device = engine.model, engine.device
-    else:
-        dev = args.device
-        if dev == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        model, _ = load_model(model_path, args.dtype, dev)
-        device = torch.device(dev)
-    sim_meter = SimilarityMeter(model, mcfg.mask_token_id, device)
-    agr_meter = AgreementMeter(engine, args.gen_length) if engine is not None else None
+    items = _items(args, samples, tasks)
+    driver = _driver(args, model_path, items)
+    agreement = args.criterion == "agreement"
     sampling = {"block_length": args.block_length, "cache_mode": args.cache_mode,
                 "threshold": args.decode_threshold}
     if args.steps_per_block:
         sampling["steps_per_block"] = args.steps_per_block
 
     nb = len(fractions)
-    per_k: list[list[list[float]]] = [[] for _ in range(nb)]
-    per_v: list[list[list[float]]] = [[] for _ in range(nb)]
-    per_h: list[list[list[float]]] = [[] for _ in range(nb)]
-    per_a: list[list[list[float]]] = [[] for _ in range(nb)]
+    tk, tv, th, ta = Tally(), Tally(), Tally(), Tally()
     per_r: list[list[float]] = [[] for _ in range(nb)]
     t0 = time.time()
-    bar = tqdm(list(zip(tasks, contexts)), desc=f"calibrate ({args.criterion})", unit="task",
-               disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
-    try:
-        for t, ctx in bar:
-            bar.set_postfix_str(f"sample {t.sample + 1}/{len(samples)} r={fractions[t.bucket]:g}%", refresh=False)
-            s = samples[t.sample]
-            sk, sv, sh = sim_meter.measure(s, t, ctx)
-            per_k[t.bucket].append(sk)
-            per_v[t.bucket].append(sv)
-            per_h[t.bucket].append(sh)
-            per_r[t.bucket].append(t.r)
-            if agr_meter is not None:
-                agr, _ = agr_meter.measure(s, t, sampling, ctx)
-                per_a[t.bucket].append(agr)
-    finally:
-        bar.close()
-        if engine is not None:
-            engine.shutdown()
 
-    sim_k = [mean_rows(x) for x in per_k]
-    sim_v = [mean_rows(x) for x in per_v]
-    sim_h = [mean_rows(x) for x in per_h]
+    def measure(it: Item) -> None:
+        sk, sv, sh = driver.similarity(it)
+        tk.add(it, sk)
+        tv.add(it, sv)
+        th.add(it, sh)
+        per_r[it.task.bucket].append(it.task.r)
+        if agreement:
+            ta.add(it, driver.agreement(it, sampling)[0])
+
+    driver.run(f"calibrate ({args.criterion})", items, measure, bar=not args.no_progress,
+               postfix=lambda it: f"sample {it.task.sample + 1}/{len(samples)} r={fractions[it.task.bucket]:g}%")
+    driver = None  # the measurement stack's pool goes with it
+
+    sim_k = [tk.mean("data", b) for b in range(nb)]
+    sim_v = [tv.mean("data", b) for b in range(nb)]
+    sim_h = [th.mean("data", b) for b in range(nb)]
     sim = [None if k is None else [(a + b) / 2 for a, b in zip(k, v)] for k, v in zip(sim_k, sim_v)]
-    agree = [mean_rows(x) for x in per_a] if engine is not None else None
+    agree = [ta.mean("data", b) for b in range(nb)] if agreement else None
     raw: list[int | None] = []
     for bi in range(nb):
         if sim[bi] is None:
@@ -303,7 +290,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     thr = args.threshold if args.criterion == "kv-cosine" else args.agreement
     prof = BicacheProfile(table=tuple(safe_table(fractions, raw)), n_layers=L,
                           model=_model_name(args.model_path, model_path), criterion=args.criterion, threshold=thr)
-    counts = [len(x) for x in per_k]
+    counts = [len(tk.get("data", b)) for b in range(nb)]
     r_range = [[round(min(x), 6), round(max(x), 6)] if x else None for x in per_r]
     missing = [f"{fractions[i]:g}" for i in range(nb) if counts[i] == 0]
     if missing:
@@ -316,7 +303,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     return {
         **prof.to_dict(),
         "kv_threshold": args.threshold,
-        "min_agreement": args.agreement if args.criterion == "agreement" else None,
+        "min_agreement": args.agreement if agreement else None,
         "depth_rule": args.depth_rule if args.criterion == "kv-cosine" else None,
         "fractions": fractions,
         "samples_per_fraction": counts,
@@ -337,7 +324,7 @@ def calibrate(args: argparse.Namespace) -> dict:
         "block_length": args.block_length,
         "decode": ({"cache_mode": args.cache_mode, "threshold": args.decode_threshold,
                     "steps_per_block": args.steps_per_block, "temperature": 0.0}
-                   if args.criterion == "agreement" else None),
+                   if agreement else None),
         "seconds": round(time.time() - t0, 2),
     }
 

@@ -202,6 +202,36 @@ def test_agreement_on_pairs(tiny_dream, pairs_file, tmp_path):
             assert prof.lookup(r / 100) == _safe_at(d, r)
 
 
+def test_agreement_loads_the_weights_once_and_measures_on_them(tiny_llada, prompts_file, tmp_path, monkeypatch):
+    """The CLI's agreement criterion runs the similarity meter and the measurement stack on ONE
+    loaded model; the driver refuses a stack that runs other weights."""
+    import logging
+
+    from bicache_sgl.calibration.driver import Driver
+    from bicache_sgl.engine.engine import build_config
+    from bicache_sgl.engine.model_runner import load
+    from bicache_sgl.engine.stack import measurement_stack
+    from bicache_sgl.models import loader
+    reads, real = [], loader.load_state_dict  # counted; the real loader still reads the checkpoint
+    monkeypatch.setattr(loader, "load_state_dict", lambda path, *a, **kw: reads.append(path) or real(path, *a, **kw))
+    out = tmp_path / "agreement.json"
+    assert cli.main(["--model-path", tiny_llada, "--data", str(prompts_file), "--out", str(out), "--plot", "none",
+                     "--criterion", "agreement", "--fractions", "50", "--gen-length", "8", "--block-length", "8",
+                     "--no-progress"]) == 0
+    d = json.loads(out.read_text())
+    assert d["samples_per_fraction"] == [2] and d["agreement"][0][0] == 1.0
+    assert len(reads) == 1, reads
+
+    cfg = build_config(model_path=tiny_llada)
+    loaded = load(cfg)
+    stack = measurement_stack(cfg, loaded, max_running=5, max_prefix_cache_tokens=64)
+    log = logging.getLogger("test")
+    assert Driver(loaded.model, 0, loaded.device, stack, gen_length=8, log=log).stack is stack
+    other, _ = loader.load_model(tiny_llada)
+    with pytest.raises(ValueError, match="one copy of the weights"):
+        Driver(other, 0, loaded.device, stack, gen_length=8, log=log)
+
+
 def test_bad_data_lines_name_the_line(tiny_llada, tmp_path):
     cases = [
         ('{"prompt": "fine"}\n{"prompt": "oops"\n', "line 2: not valid JSON"),

@@ -13,7 +13,7 @@ import torch
 
 from bicache_sgl import Engine
 from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile
-from bicache_sgl.calibration import auto, synth
+from bicache_sgl.calibration import auto, profile_cache, synth
 from bicache_sgl.config import DEFAULT_PROBATION, EngineConfig
 from bicache_sgl.models.loader import default_model_path
 from bicache_sgl.testing_planted import expected_answer, make_planted_llada
@@ -141,6 +141,23 @@ def test_planted_model_without_a_profile_answers_as_cache_off_and_reuses_after_p
         eng.shutdown()
 
 
+def test_first_run_calibration_loads_the_weights_once(planted, monkeypatch):
+    """The calibration runs on the engine's own loaded model (a measurement stack on it), never on
+    a second copy: the checkpoint's weights are read exactly once for the whole start-up."""
+    from bicache_sgl.models import loader
+    reads, real = [], loader.load_state_dict  # counted; the real loader still reads the checkpoint
+    monkeypatch.setattr(loader, "load_state_dict", lambda path, *a, **kw: reads.append(path) or real(path, *a, **kw))
+    before = _counts()
+    eng = Engine(planted)
+    try:
+        assert _counts()["calibrations"] == before["calibrations"] + 1  # it did calibrate, cold
+        assert eng.profile is not None and sum(map(sum, eng.profile.extra["samples_first_step"].values())) > 0
+        assert reads == [str(planted)], reads  # one read of the weights: serving and calibration share them
+        assert eng.stack.model is eng.model is eng.runner.model
+    finally:
+        eng.shutdown()
+
+
 class _Clock:
     """auto's clock, advancing a fixed step per reading: the budget counts measurements, not seconds
     (deterministic on a loaded machine)."""
@@ -225,7 +242,7 @@ def test_checkpoint_fingerprint(tmp_path, monkeypatch):
     (b / "model.safetensors").write_bytes(b"y" * 100)
     assert auto.checkpoint_fingerprint(b)["model.safetensors"] != fa["model.safetensors"]
     # large files: size and mtime (hashing gigabytes at every start would cost what the cache saves)
-    monkeypatch.setattr(auto, "CONTENT_HASH_MAX_BYTES", 10)
+    monkeypatch.setattr(profile_cache, "CONTENT_HASH_MAX_BYTES", 10)
     big = auto.checkpoint_fingerprint(b)["model.safetensors"]
     assert big.startswith("size:100,mtime_ns:")
     # a Hugging Face hub snapshot links each file to a blob named by its digest

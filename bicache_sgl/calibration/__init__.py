@@ -15,19 +15,23 @@ compared layer by layer:
 - in context: the target request's whole sequence through the model, sliced to S.
 
 Criteria: ``kv-cosine`` (per-layer K/V cosine against --threshold) and ``agreement`` (greedy
-decoding through the real Engine at every depth 0..L against cache-off). Both err safe: a depth
-passes only when every smaller depth passes, and the table at r never exceeds a bucket measured at
-or above r. See docs/calibration.md.
+decoding through the real runtime, a ``naive`` prefix cache on the loaded model, at every depth
+0..L against cache-off). Both err safe: a depth passes only when every smaller depth passes, and the
+table at r never exceeds a bucket measured at or above r. See docs/calibration.md.
 
 Layering: this package sits BELOW the engine (the engine calls ``auto.resolve_profile`` at
-start-up) and never imports ``bicache_sgl.engine``: the agreement meter drives an engine object
-that its caller passes in (duck-typed). The command line, which builds an ``Engine`` for the
-agreement criterion, is ``bicache_sgl/calibrate.py``, above the engine. ``bicache_sgl.bicache``
-(profile, policy) sits below this package and never imports it.
+start-up) and never imports ``bicache_sgl.engine``: the agreement meter runs requests on a
+measurement stack that its caller builds on the already loaded model (duck-typed,
+``driver.MeasureStack``; ``bicache_sgl.engine.stack.measurement_stack`` builds one), so the weights
+are loaded once. The command line is ``bicache_sgl/calibrate.py``, above the engine.
+``bicache_sgl.bicache`` (profile, policy) sits below this package and never imports it.
 
-Modules: ``data`` (jsonl records, tokens, planning of (sample, bucket) tasks and of the first
-request's context), ``synth`` (prompts synthesised from a tokenizer), ``measure`` (the meters and
-the depth rules), ``auto`` (the first-run profile: budget, cache, log), ``plot`` (the PNG).
+Modules: ``driver`` (THE measurement driver: items, meters, the budgeted loop with its progress,
+tallies; the command line and ``auto`` are its two front ends), ``data`` (jsonl records, tokens,
+planning of (sample, bucket) tasks and of the first request's context), ``synth`` (prompts
+synthesised from a tokenizer), ``measure`` (the meters and the depth rules), ``auto`` (the first-run
+profile: budget, stages, log), ``profile_cache`` (its cache on disk: location, checkpoint
+fingerprint), ``plot`` (the PNG).
 """
 
 from .data import (

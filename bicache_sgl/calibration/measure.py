@@ -17,7 +17,6 @@ r -> b table never exceeds a measured bucket at or above r (``BicacheProfile.mon
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -95,38 +94,25 @@ def token_agreement(a: Sequence[int], b: Sequence[int]) -> float:
 
 
 class AgreementMeter:
-    """End-to-end: the same request at every depth 0..L through a ``naive`` engine (its prefix
-    cache holds all L layers) whose cache holds S from a prefix-only request or from the first
-    request of ``context``.
+    """End-to-end: the same request at every depth 0..L through a ``naive`` prefix cache (its nodes
+    hold all L layers) that holds S from a prefix-only request or from the first request of
+    ``context``.
 
-    The engine is passed in by the caller and only duck-typed (this package sits below
-    ``bicache_sgl.engine`` and never imports it): it needs ``model_config.n_layers``,
-    ``scheduler.admission.prefix_aware``, ``flush_cache()`` and ``submit_many(greqs, callbacks)`` whose
-    callbacks get events with ``finished``, ``error``, ``output_ids`` and ``meta_info``
-    (``bicache_sgl.engine.Engine`` is one)."""
+    The stack is passed in by the caller and only duck-typed (this package sits below
+    ``bicache_sgl.engine`` and never imports it): it needs ``n_layers``, ``flush()`` and
+    ``run(greqs)``, which runs the requests to completion, queued together so that one admission
+    round sees them all (in arrival order, no prefix-aware deferral: every one of them must match
+    exactly S and nothing a sibling inserted), and returns each one's final event (``error``,
+    ``output_ids``, ``meta_info``). ``bicache_sgl.engine.stack.measurement_stack`` builds one on
+    the already loaded model."""
 
-    def __init__(self, engine, gen_length: int) -> None:
-        self.engine = engine
-        self.L = engine.model_config.n_layers
+    def __init__(self, stack, gen_length: int) -> None:
+        self.stack = stack
+        self.L = stack.n_layers
         self.gen_length = gen_length
-        # All L+1 requests share their whole prompt: admit them in one step (no prefix-aware
-        # deferral), so every one of them matches exactly S and nothing a sibling inserted.
-        engine.scheduler.admission.prefix_aware = False
 
     def _run(self, greqs) -> list:
-        results: list = [None] * len(greqs)
-        done = threading.Semaphore(0)
-
-        def make_cb(i):
-            def cb(ev):
-                if ev.finished:
-                    results[i] = ev
-                    done.release()
-            return cb
-
-        self.engine.submit_many(greqs, [make_cb(i) for i in range(len(greqs))])
-        for _ in greqs:
-            done.acquire()
+        results = self.stack.run(greqs)
         for ev in results:
             if ev.error:
                 raise RuntimeError(f"calibration request failed: {ev.error}")
@@ -138,9 +124,7 @@ class AgreementMeter:
         the outputs."""
         from ..config import SamplingParams
         from ..io_struct import GenerateRequest
-        eng = self.engine
-        if not eng.flush_cache():
-            raise RuntimeError("could not flush the prefix cache")
+        self.stack.flush()
         params = SamplingParams.from_dict({**sampling, "max_new_tokens": min(self.gen_length, task.gen_len),
                                            "temperature": 0.0})
         s_ids = list(sample.ids[:task.s_len])

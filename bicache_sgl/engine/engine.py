@@ -24,12 +24,9 @@ from ..bicache.policy import make_policy
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
-from ..kv_cache.manager import make_cache_manager
-from ..kv_cache.memory import plan_memory
-from ..kv_cache.pool import KVPool
-from ..scheduler.request import Req, RequestFactory
-from ..scheduler.scheduler import Admission, Scheduler
-from .model_runner import ModelRunner, load
+from ..scheduler.request import Req
+from .model_runner import load
+from .stack import build_stack, context_length_of, measurement_stack
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +64,11 @@ class Engine:
         self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
-        self.context_length = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
-        # a file, or ("auto": the default without one beside the model) calibrated now on a second
-        # engine built by the factory, cached on disk (bicache_sgl/calibration/auto.py)
-        self.profile = resolve_profile(cfg, loaded, lambda **kw: Engine(config=cfg, **kw))
+        self.context_length = context_length_of(cfg, loaded)
+        # a file, or ("auto": the default without one beside the model) calibrated now on this very
+        # model through a measurement stack (no second copy of the weights), cached on disk
+        # (bicache_sgl/calibration/auto.py)
+        self.profile = resolve_profile(cfg, loaded, lambda **sizes: measurement_stack(cfg, loaded, **sizes))
         probation = cfg.bicache_audit_probation
         if probation is None:  # a first-run profile was measured on synthesised prompts: trust is earned
             probation = DEFAULT_PROBATION if self.profile is not None and "auto" in self.profile.extra else 0
@@ -82,22 +80,10 @@ class Engine:
             log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
                         "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
                         "bicache_sgl.calibrate to make one.", self.model_path)
-        self.memory = plan_memory(mc, loaded.dtype, self.device, self.policy.max_node_depth,
-                                  max_prefix_cache_tokens=cfg.max_prefix_cache_tokens,
-                                  max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static,
-                                  max_positions=2 * cfg.max_running_requests * self.context_length)
-        pool = KVPool(mc, self.memory.pool_tokens, self.memory.pool_rows, self.memory.request_rows, loaded.dtype,
-                      self.device)
-        self.cache = make_cache_manager(self.policy, pool)
+        self.stack = build_stack(cfg, loaded, self.policy, audit=self.audit)
+        self.memory, self.cache, self.runner = self.stack.memory, self.stack.cache, self.stack.runner
+        self.requests, self.scheduler, self.model = self.stack.requests, self.stack.scheduler, loaded.model
         log.info("prefix cache: %s; %s", self.policy.describe(), self.memory.describe())
-        self.runner = ModelRunner(loaded, cfg.attention_backend, pool)
-        self.model = loaded.model
-        admission = Admission(cfg.max_running_requests, self.memory.request_tokens, prefix_aware=self.cache.enabled)
-        self.requests = RequestFactory(mc, self.tokenizer, self.eos_ids, cfg.decode, self.context_length,
-                                       kv_budget=admission.kv_budget)
-        self.scheduler = Scheduler(admission, self.cache, self.requests, self.runner.alloc_kv, self.runner.free_kv,
-                                   pool.alloc_seq, mc.n_layers, audit=self.audit, cache_output=cfg.cache_output,
-                                   context_length=self.context_length)
         self._inbox: list[Req] = []
         self._aborts: set[str] = set()
         self._flushes: list[threading.Event] = []
@@ -231,16 +217,10 @@ class Engine:
         """One step: schedule, run ONE batched forward for all running requests, postprocess;
         then emit the events (blocks that became final, finished requests)."""
         self._drain_inbox()
-        batch = self.scheduler.schedule()
-        if not self.scheduler.running:
+        emit = self.stack.step()
+        if emit is None:
             return False
-        try:
-            logits = self.runner.forward(batch.works)
-        except Exception as e:
-            log.exception("batched forward failed")
-            self._emit_all(self.scheduler.fail_batch(batch, e))
-            return True
-        self._emit_all(self.scheduler.postprocess(batch, logits))
+        self._emit_all(emit)
         self.last_step_time = time.time()
         return True
 
