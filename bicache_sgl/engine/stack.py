@@ -124,7 +124,7 @@ def build_stack(cfg: EngineConfig, loaded: LoadedModel, policy: DepthPolicy, *, 
     requests = RequestFactory(mc, loaded.tokenizer, loaded.eos_ids, cfg.decode, ctx, kv_budget=admission.kv_budget)
     scheduler = Scheduler(admission, cache, requests, runner.alloc_kv, runner.free_kv, pool.alloc_seq, mc.n_layers,
                           audit=audit, cache_output=cfg.cache_output, context_length=ctx)
-    return Stack(loaded, memory, pool, cache, runner, requests, scheduler, seed=cfg.random_seed)
+    return Stack(loaded, memory, pool, cache, runner, requests, scheduler, seed=cfg.seed)
 
 
 def measurement_stack(cfg: EngineConfig, loaded: LoadedModel, *, max_running: int, max_prefix_cache_tokens: int,
