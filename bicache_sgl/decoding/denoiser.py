@@ -187,8 +187,4 @@ DENOISERS: dict[str, type[Denoiser]] = {cls.family: cls for cls in (LLaDADenoise
 
 def make_denoiser(plan: DecodePlan, params: SamplingParams, mask_id: int) -> Denoiser:
     """The denoiser of the plan's algorithm family."""
-    try:
-        cls = DENOISERS[plan.family]
-    except KeyError:
-        raise ValueError(f"algorithm {plan.algorithm!r}: no denoiser for family {plan.family!r}") from None
-    return cls(plan, params, mask_id)
+    return DENOISERS[plan.family](plan, params, mask_id)

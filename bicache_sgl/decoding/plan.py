@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..config import DEFAULT_EPS, DREAM_ALGORITHMS, REMASKING, DecodeDefaults, SamplingParams
 
 # Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no
@@ -54,6 +56,35 @@ class DecodePlan:
     def dream(self) -> bool:
         """Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``)."""
         return self.algorithm in DREAM_ALGORITHMS
+
+    def refreshes(self, step: int) -> bool:
+        """Whether a block's step ``step`` computes the whole sequence (reusing only the planned
+        prefix span): its first step, every step without an in-request cache, and every
+        ``refresh_interval``-th one."""
+        if self.cache_mode == "none" or step == 0:
+            return True
+        return self.refresh_interval > 0 and step % self.refresh_interval == 0
+
+    def step_positions(self, refresh: bool, block: tuple[int, int], seq_len: int, shift: int,
+                       masked: np.ndarray, unmasked_last: np.ndarray) -> np.ndarray:
+        """The positions (int64, sorted) a block's step computes: the whole sequence on a refresh
+        (:meth:`refreshes`); else with ``step_rows`` "active" the rows that can still change; with
+        the prefix cache the block and everything after it; with the dual cache the block only.
+        With ``shift`` 1 (Dream: position i's logits come from row i - 1) the row before each
+        decided position too. ``masked``: the block's masked positions; ``unmasked_last``: those
+        the previous forward unmasked."""
+        bs, be = block
+        if refresh:
+            return np.arange(seq_len, dtype=np.int64)
+        if self.step_rows == "active":
+            # Only rows whose K/V can still change: the masked positions (and the rows giving their
+            # logits) and the positions unmasked by the previous forward, computed once more with
+            # their token in place. Every other block row keeps the K/V it was last computed with
+            # (an approximation: they no longer see later unmasks).
+            return np.union1d(np.union1d(masked, masked - shift), unmasked_last)
+        if self.cache_mode == "prefix":
+            return np.arange(bs - shift, seq_len, dtype=np.int64)
+        return np.arange(bs - shift, be, dtype=np.int64)
 
     @classmethod
     def resolve(cls, p: SamplingParams, d: DecodeDefaults, g: CheckpointHints | None = None) -> DecodePlan:

@@ -173,12 +173,6 @@ class Req:
         s = self.prompt_len + self.block * self.plan.block_length
         return s, min(s + self.plan.block_length, self.seq_len)
 
-    def _needs_refresh(self) -> bool:
-        p = self.plan
-        if p.cache_mode == "none" or self.step_in_block == 0:
-            return True
-        return p.refresh_interval > 0 and self.step_in_block % p.refresh_interval == 0
-
     def plan_step(self, n_layers: int) -> list[SeqWork]:
         """The sequences this request contributes to the next batched forward."""
         works: list[SeqWork] = []
@@ -187,23 +181,10 @@ class Req:
             if self.needs_score:
                 works.append(self._score_work())
             return works
-        N = self.seq_len
-        bs, be = self.block_range
-        refresh = self._needs_refresh()
-        if refresh:
-            positions = np.arange(N, dtype=np.int64)
-        elif self.plan.cache_mode == "prefix":
-            positions = np.arange(bs - self.shift, N, dtype=np.int64)
-        else:  # dual: the block only (Dream also needs the row before it for the shifted logits)
-            positions = np.arange(bs - self.shift, be, dtype=np.int64)
-        in_block = self.x[bs:be]
-        masked = bs + np.nonzero((in_block == self.mask_id).numpy())[0]
-        if not refresh and self.plan.step_rows == "active":
-            # Only rows whose K/V can still change: the masked positions (and, for Dream, the row
-            # before each, which gives its logits) and the positions unmasked by the previous
-            # forward, computed once more with their token in place. Every other block row keeps
-            # the K/V it was last computed with (an approximation: they no longer see later unmasks).
-            positions = np.union1d(np.union1d(masked, masked - self.shift), self._unmasked_last)
+        block = self.block_range
+        masked = block[0] + np.nonzero((self.x[block[0]:block[1]] == self.mask_id).numpy())[0]
+        refresh = self.plan.refreshes(self.step_in_block)
+        positions = self.plan.step_positions(refresh, block, self.seq_len, self.shift, masked, self._unmasked_last)
         self.denoiser.plan_forward(len(masked), self.step_in_block == 0, self.generator)
         self._pending = masked
         # an audited forward captures from its exact shadow: stored rows are then this request's own
