@@ -26,13 +26,15 @@ re-scored by :meth:`Denoiser.path_confidence`), :meth:`Denoiser.select`, and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
 
 from ..config import SamplingParams
-from . import decide, num_transfer_schedule, select_transfer
-from .dream import (
+from . import (
+    decide,
     dream_confidence,
     dream_decide,
     dream_next_transfer,
@@ -40,6 +42,8 @@ from .dream import (
     dream_probs,
     dream_select,
     dream_timesteps,
+    num_transfer_schedule,
+    select_transfer,
     threshold_score,
 )
 from .plan import DecodePlan
@@ -181,8 +185,8 @@ class DreamDenoiser(Denoiser):
         self.tstep += 1
 
 
-# name -> class, by DecodePlan.family (read-only)
-DENOISERS: dict[str, type[Denoiser]] = {cls.family: cls for cls in (LLaDADenoiser, DreamDenoiser)}
+# name -> class, by DecodePlan.family
+DENOISERS: Mapping[str, type[Denoiser]] = MappingProxyType({cls.family: cls for cls in (LLaDADenoiser, DreamDenoiser)})
 
 
 def make_denoiser(plan: DecodePlan, params: SamplingParams, mask_id: int) -> Denoiser:
