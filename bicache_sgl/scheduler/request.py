@@ -66,8 +66,8 @@ class Req:
         # ends, its logprobs; structured generation (docs/structured.md): the compiled constraint
         # (shared, immutable) and the automaton state after the committed blocks
         self.denoiser = make_denoiser(plan, p, mask_id)
-        self.logits = LogitsProcessor(p, self.prompt, min(plan.gen_len, p.max_new_tokens), mask_id=mask_id,
-                                      eos_ids=tuple(eos_ids))
+        self.logits_processor = LogitsProcessor(p, self.prompt, min(plan.gen_len, p.max_new_tokens),
+                                                mask_id=mask_id, eos_ids=tuple(eos_ids))
         detok = Detokenizer(tokenizer, p.skip_special_tokens)
         self.stops = StopRule(p, tuple(eos_ids), plan.gen_len, detok, constraint)
         self.logprobs = Logprobs(greq.top_logprobs_num, detok, greq.return_text_in_logprobs)
@@ -264,7 +264,7 @@ class Req:
         """Unmask this step's positions from the logits [n_masked, V] of the block's masked
         positions; at the block's end commit it and check the stop conditions."""
         d = self.denoiser
-        lg = self.logits(lg, self.x, self._pending, ban_mask=d.bans_mask)
+        lg = self.logits_processor(lg, self.x, self._pending, ban_mask=d.bans_mask)
         bs, be = self.block_range
         if self.structured is not None:
             try:
