@@ -26,6 +26,7 @@ re-scored by :meth:`Denoiser.path_confidence`), :meth:`Denoiser.select`, and
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import ClassVar
@@ -51,7 +52,7 @@ from .plan import DecodePlan
 Decision = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (tokens [n], confidence [n], logprob [n])
 
 
-class Denoiser:
+class Denoiser(ABC):
     """Planning and applying one block's steps for one algorithm family (module docstring).
 
     ``bans_mask``: whether the logits the decision is made on have the mask token banned
@@ -64,28 +65,28 @@ class Denoiser:
     def __init__(self, plan: DecodePlan, params: SamplingParams, mask_id: int) -> None:
         self.plan, self.params, self.mask_id = plan, params, mask_id
 
+    @abstractmethod
     def plan_forward(self, n_masked: int, block_start: bool, generator: torch.Generator) -> None:
         """Before a forward over the block, which has ``n_masked`` masked positions
         (``block_start``: its first step)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decide(self, lg: torch.Tensor, generator: torch.Generator) -> Decision:
         """Processed logits [n_masked, V] of the block's masked positions (in order) -> the
         family's (tokens, confidence, logprob) for each."""
-        raise NotImplementedError
 
     def path_confidence(self, lg: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         """Under a constraint ``x0`` is the constraint's path and ``conf`` its confidence for the
         plan's ``remasking``: the confidence the family ranks the path's positions by."""
         return conf
 
+    @abstractmethod
     def select(self, conf: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Indices (into the masked positions) this step unmasks."""
-        raise NotImplementedError
 
+    @abstractmethod
     def next_step(self) -> None:
         """The block still has masks after this step: the next step of its schedule."""
-        raise NotImplementedError
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance: the logits with the prompt (``cond``) pushed away from the
