@@ -223,7 +223,7 @@ class SamplingParams:
     def resolved(self, model_defaults: Mapping[str, Any] | None = None) -> "SamplingParams":
         """``temperature`` and ``top_p`` left unset (None) filled from ``model_defaults`` (the
         checkpoint's generation_config.json), else 1.0. The other knobs that fall back on server
-        and model defaults are resolved with the decoding plan (scheduler/request.py)."""
+        and model defaults are resolved with the decoding plan (decoding/plan.py)."""
         md = model_defaults or {}
         kw = {}
         for k in ("temperature", "top_p"):
@@ -390,7 +390,7 @@ class DecodeDefaults:
                  "forward, whose K/V are then kept (fewer rows per step, approximate; docs/performance.md).",
         choices=STEP_ROWS)
     # None below: the checkpoint's generation_config.json value, else the built-in (low_confidence,
-    # DEFAULT_EPS, 0); resolved per request in scheduler/request.py (DecodePlan.resolve)
+    # DEFAULT_EPS, 0); resolved per request in decoding/plan.py (DecodePlan.resolve)
     dllm_algorithm: str | None = option(
         None, f"Unmasking algorithm, for LLaDA and Dream alike: {', '.join(ALGORITHMS)} (SGLang's LowConfidence "
               "= low_confidence). Default: the checkpoint's generation_config.json 'alg', else low_confidence. "

@@ -24,6 +24,7 @@ from bicache_sgl.decoding import (
     dream_timesteps,
     dream_transfer_count,
 )
+from bicache_sgl.decoding.plan import DecodePlan
 from bicache_sgl.io_struct import GenerateRequest
 from bicache_sgl.models.config import CheckpointError
 from bicache_sgl.models.forward_batch import ForwardBatch, KVStore
@@ -34,7 +35,7 @@ from bicache_sgl.models.loader import (
     load_model_config,
     load_tokenizer,
 )
-from bicache_sgl.scheduler.request import DecodePlan, Req, RequestFactory
+from bicache_sgl.scheduler.request import Req, RequestFactory
 
 CPU = torch.device("cpu")
 G = 32  # generation length of the exactness runs

@@ -10,10 +10,11 @@ from bicache_sgl import Engine, SamplingParams
 from bicache_sgl.attention import create_backend
 from bicache_sgl.config import DecodeDefaults
 from bicache_sgl.decoding import num_transfer_schedule, select_transfer
+from bicache_sgl.decoding.plan import DecodePlan
 from bicache_sgl.io_struct import GenerateRequest
 from bicache_sgl.models.forward_batch import ForwardBatch, KVStore, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
-from bicache_sgl.scheduler.request import DecodePlan, Req
+from bicache_sgl.scheduler.request import Req
 
 PROMPTS = ["The quick brown fox jumps", "Q: what is 2+2?\nA:", "lorem ipsum dolor sit amet, consectetur", "x"]
 

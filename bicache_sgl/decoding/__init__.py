@@ -2,8 +2,11 @@
 Dream's (``bicache_sgl.decoding.dream``: ``origin``, ``maskgit_plus``, ``topk_margin``,
 ``entropy``) and Fast-dLLM threshold decoding.
 
-Pure functions on logits of the positions being decided; the per-request state machine that
-uses them lives in ``bicache_sgl.scheduler.request``.
+Pure functions on logits of the positions being decided. Built on them, per request: the
+denoiser of each algorithm family (``decoding.denoiser``, with ``decoding.plan``), logit
+processing (``decoding.sampling``), stop handling (``decoding.stop``), logprobs
+(``decoding.logprobs``) and text (``decoding.text``); the request that drives them is
+``bicache_sgl.scheduler.request``.
 """
 
 from __future__ import annotations

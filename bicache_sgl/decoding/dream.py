@@ -20,7 +20,7 @@ greedy fp32 run picks the same positions. The one deliberate difference: the mas
 never a decision here (the reference would "unmask" a position to [MASK], leaving it masked);
 confidences are still computed over the full distribution, mask included, so every decision
 the reference makes without choosing [MASK] is the same. How this composes with blocks, the
-in-request caches and threshold decoding: ``bicache_sgl.scheduler.request`` and docs/server.md.
+in-request caches and threshold decoding: ``bicache_sgl.decoding.denoiser`` and docs/server.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""A request's resolved diffusion settings (:class:`DecodePlan`), from the request, the server
+flags and the checkpoint's generation defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..config import DEFAULT_EPS, DREAM_ALGORITHMS, REMASKING, DecodeDefaults, SamplingParams
+
+# Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no
+# forward, but their timesteps are kept and walked): a bound on that bookkeeping
+MAX_DREAM_STEPS = 1 << 16
+
+
+class CheckpointHints(Protocol):
+    """The checkpoint's generation defaults a plan reads (``models.loader.GenerationDefaults``;
+    ``None``: not set by the checkpoint)."""
+
+    steps: int | None
+    algorithm: str | None
+    eps: float | None
+    alg_temp: float | None
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A request's resolved diffusion settings."""
+
+    gen_len: int  # generation region (whole blocks; the last one clipped to fit the context)
+    block_length: int
+    steps_per_block: int
+    threshold: float | None
+    remasking: str  # LLaDA's algorithm, or the confidence a constraint reports for Dream's
+    cache_mode: str
+    refresh_interval: int
+    algorithm: str = "low_confidence"  # config.ALGORITHMS
+    eps: float = DEFAULT_EPS  # Dream's last timestep
+    alg_temp: float = 0.0  # Dream's position sampling temperature (0: the most confident)
+    step_rows: str = "block"  # config.STEP_ROWS: what a dual-cache block step computes
+
+    @property
+    def family(self) -> str:
+        """The algorithm family, which picks the denoiser (``decoding.denoiser.DENOISERS``):
+        ``dream`` for Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``,
+        ``entropy``), ``llada`` for LLaDA's per-block linear schedule."""
+        return "dream" if self.algorithm in DREAM_ALGORITHMS else "llada"
+
+    @property
+    def dream(self) -> bool:
+        """Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``)."""
+        return self.algorithm in DREAM_ALGORITHMS
+
+    def refreshes(self, step: int) -> bool:
+        """Whether a block's step ``step`` computes the whole sequence (reusing only the planned
+        prefix span): its first step, every step without an in-request cache, and every
+        ``refresh_interval``-th one."""
+        if self.cache_mode == "none" or step == 0:
+            return True
+        return self.refresh_interval > 0 and step % self.refresh_interval == 0
+
+    def step_positions(self, refresh: bool, block: tuple[int, int], seq_len: int, shift: int,
+                       masked: np.ndarray, unmasked_last: np.ndarray) -> np.ndarray:
+        """The positions (int64, sorted) a block's step computes: the whole sequence on a refresh
+        (:meth:`refreshes`); else with ``step_rows`` "active" the rows that can still change; with
+        the prefix cache the block and everything after it; with the dual cache the block only.
+        With ``shift`` 1 (Dream: position i's logits come from row i - 1) the row before each
+        decided position too. ``masked``: the block's masked positions; ``unmasked_last``: those
+        the previous forward unmasked."""
+        bs, be = block
+        if refresh:
+            return np.arange(seq_len, dtype=np.int64)
+        if self.step_rows == "active":
+            # Only rows whose K/V can still change: the masked positions (and the rows giving their
+            # logits) and the positions unmasked by the previous forward, computed once more with
+            # their token in place. Every other block row keeps the K/V it was last computed with
+            # (an approximation: they no longer see later unmasks).
+            return np.union1d(np.union1d(masked, masked - shift), unmasked_last)
+        if self.cache_mode == "prefix":
+            return np.arange(bs - shift, seq_len, dtype=np.int64)
+        return np.arange(bs - shift, be, dtype=np.int64)
+
+    @classmethod
+    def resolve(cls, p: SamplingParams, d: DecodeDefaults, g: CheckpointHints | None = None) -> DecodePlan:
+        """Each knob from, in order: the request, the server (``d``), the checkpoint's
+        generation_config.json (``g``), the built-in default."""
+        g_steps, g_alg, g_eps, g_temp = (g.steps, g.algorithm, g.eps, g.alg_temp) if g is not None else (None,) * 4
+        block = p.block_length or d.block_length
+        alg = p.dllm_algorithm or d.dllm_algorithm or g_alg or "low_confidence"
+        remasking = alg if alg in REMASKING else "low_confidence"
+        cache_mode = p.cache_mode or d.cache_mode
+        step_rows = p.step_rows or d.step_rows
+        if step_rows != "block" and cache_mode != "dual":
+            raise ValueError(f"step_rows {step_rows!r} needs cache_mode 'dual' (got {cache_mode!r})")
+        knobs = {"algorithm": alg, "eps": _first(p.eps, d.dllm_eps, g_eps, DEFAULT_EPS),
+                 "alg_temp": _first(p.alg_temp, d.dllm_alg_temp, g_temp, 0.0), "step_rows": step_rows}
+        if p.max_new_tokens <= 0:
+            return cls(0, block, 1, None, remasking, cache_mode, 0, **knobs)
+        n_blocks = -(-p.max_new_tokens // block)
+        gen = n_blocks * block
+        if p.steps_per_block:
+            spb = p.steps_per_block
+        elif p.steps:
+            spb = max(1, p.steps // n_blocks)
+        elif d.steps_per_block:
+            spb = d.steps_per_block
+        elif g_steps:
+            spb = max(1, g_steps // n_blocks)
+        else:
+            spb = block
+        if alg not in DREAM_ALGORITHMS:
+            spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
+        thr = p.threshold if p.threshold is not None else d.threshold
+        return cls(gen, block, spb, thr if thr else None, remasking, cache_mode,
+                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **knobs)
