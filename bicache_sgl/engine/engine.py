@@ -28,6 +28,7 @@ from ..kv_cache.memory import plan_memory
 from ..kv_cache.pool import KVPool
 from ..scheduler.request import Req, RequestFactory
 from ..scheduler.scheduler import Admission, Scheduler
+from ..scheduler.validate import ValidRequest
 from .model_runner import ModelRunner, load
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,9 @@ class Engine:
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
-    def _prepare(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Validate a request and build its state (raises ValueError naming the problem)."""
+    def _prepare(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
+        """Validate a request (a ValidRequest is trusted) and build its state (raises ValueError
+        naming the problem)."""
         return self.requests.build(greq, on_event)
 
     def validate(self, greq: GenerateRequest) -> None:
@@ -127,7 +129,7 @@ class Engine:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
         return self.submit_many([greq], [on_event])[0]
 
-    def submit_many(self, greqs: Sequence[GenerateRequest],
+    def submit_many(self, greqs: Sequence[GenerateRequest | ValidRequest],
                     on_events: Sequence[Callable[[RequestEvent], None] | None], *, start: bool = True) -> list[str]:
         """Queue several requests atomically (they become visible to the same step). ``start``
         False leaves the engine thread alone (``run_sync`` steps on the caller's thread)."""

@@ -21,18 +21,15 @@ block whose confidence reaches it, at least the most confident one (Dream's ``en
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..bicache.planner import RequestFacts, ReusePlan
-from ..config import DEFAULT_EPS, DREAM_ALGORITHMS, REMASKING, DecodeDefaults, SamplingParams
+from ..config import DecodeDefaults, SamplingParams
 from ..constrained import Constraint, ConstraintError, NoCompletion, compile_constraint, constrained_decide
 from ..decoding import (
     NEG_INF,
@@ -55,71 +52,7 @@ from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
 from ..models.config import ModelConfig
 from ..models.forward_batch import Capture, SeqKV, SeqWork
-from ..models.loader import GenerationDefaults, generation_defaults
-
-# Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no
-# forward, but their timesteps are kept and walked): a bound on that bookkeeping
-MAX_DREAM_STEPS = 1 << 16
-
-
-def _first(*values: Any) -> Any:
-    return next(v for v in values if v is not None)
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """A request's resolved diffusion settings."""
-
-    gen_len: int  # generation region (whole blocks; the last one clipped to fit the context)
-    block_length: int
-    steps_per_block: int
-    threshold: float | None
-    remasking: str  # LLaDA's algorithm, or the confidence a constraint reports for Dream's
-    cache_mode: str
-    refresh_interval: int
-    algorithm: str = "low_confidence"  # config.ALGORITHMS
-    eps: float = DEFAULT_EPS  # Dream's last timestep
-    alg_temp: float = 0.0  # Dream's position sampling temperature (0: the most confident)
-    step_rows: str = "block"  # config.STEP_ROWS: what a dual-cache block step computes
-
-    @property
-    def dream(self) -> bool:
-        """Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``)."""
-        return self.algorithm in DREAM_ALGORITHMS
-
-    @classmethod
-    def resolve(cls, p: SamplingParams, d: DecodeDefaults, g: GenerationDefaults | None = None) -> "DecodePlan":
-        """Each knob from, in order: the request, the server (``d``), the checkpoint's
-        generation_config.json (``g``), the built-in default."""
-        g = g or GenerationDefaults()
-        block = p.block_length or d.block_length
-        alg = p.dllm_algorithm or p.remasking or d.algorithm or g.algorithm or d.remasking
-        remasking = alg if alg in REMASKING else "low_confidence"
-        cache_mode = p.cache_mode or d.cache_mode
-        step_rows = p.step_rows or d.step_rows
-        if step_rows != "block" and cache_mode != "dual":
-            raise ValueError(f"step_rows {step_rows!r} needs cache_mode 'dual' (got {cache_mode!r})")
-        knobs = {"algorithm": alg, "eps": _first(p.eps, d.eps, g.eps, DEFAULT_EPS),
-                 "alg_temp": _first(p.alg_temp, d.alg_temp, g.alg_temp, 0.0), "step_rows": step_rows}
-        if p.max_new_tokens <= 0:
-            return cls(0, block, 1, None, remasking, cache_mode, 0, **knobs)
-        n_blocks = -(-p.max_new_tokens // block)
-        gen = n_blocks * block
-        if p.steps_per_block:
-            spb = p.steps_per_block
-        elif p.steps:
-            spb = max(1, p.steps // n_blocks)
-        elif d.steps_per_block:
-            spb = d.steps_per_block
-        elif g.steps:
-            spb = max(1, g.steps // n_blocks)
-        else:
-            spb = block
-        if alg not in DREAM_ALGORITHMS:
-            spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
-        thr = p.threshold if p.threshold is not None else d.threshold
-        return cls(gen, block, spb, thr if thr else None, remasking, cache_mode,
-                   p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **knobs)
+from .validate import DecodePlan, RequestLimits, ValidRequest, kv_lengths, validate_request
 
 
 class Req:
@@ -130,7 +63,7 @@ class Req:
                  logit_shift: int, tokenizer, on_event: Callable[[RequestEvent], None] | None, seed: int,
                  constraint: Constraint | None = None) -> None:
         self.greq, self.plan = greq, plan
-        self.rid = greq.rid or uuid.uuid4().hex
+        self.rid = greq.rid
         self.params = greq.params.resolved()  # the factory has filled in the model's defaults
         self.prompt = list(greq.input_ids)
         self.prompt_len = len(self.prompt)
@@ -225,12 +158,8 @@ class Req:
     def kv_lengths(self) -> list[int]:
         """Positions of each private K/V buffer this request needs: the sequence itself, its
         classifier-free-guidance shadow, its likelihood probe."""
-        n = [self.seq_len if self.kind == "generate" else self.prompt_len]
-        if self.kind == "generate" and self.params.cfg_scale > 0:
-            n.append(self.seq_len)
-        if self.needs_score:
-            n.append(self.prompt_len)
-        return n
+        return kv_lengths(self.prompt_len, self.plan.gen_len, self.params.cfg_scale, self.greq.return_logprob,
+                          self.greq.logprob_start_len)
 
     @property
     def kv_tokens(self) -> int:
@@ -704,53 +633,17 @@ class RequestFactory:
         self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
         self.decode, self.context_length = decode, context_length
         self.kv_budget = kv_budget  # the scheduler's whole private-K/V budget (positions); None: unchecked
+        self.limits = RequestLimits.of(model_config, decode, context_length, kv_budget)
         # the checkpoint's generation_config.json defaults (below the request and the server)
-        self.generation = generation_defaults(model_config)
+        self.generation = self.limits.generation
 
-    def build(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Raise ValueError naming what is wrong, else the request's state."""
-        ids, mc = greq.input_ids, self.mc
-        if not ids:
-            raise ValueError("the prompt is empty")
-        V = mc.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
-        gen = self.generation
-        params = greq.params.resolved(gen.sampling_defaults())
-        if params is not greq.params:
-            greq = dataclasses.replace(greq, params=params)
-        plan = DecodePlan.resolve(params, self.decode, gen)
-        if plan.dream and plan.steps_per_block > MAX_DREAM_STEPS:
-            raise ValueError(f"steps: Dream's schedule ({plan.algorithm}) runs at most {MAX_DREAM_STEPS} steps per "
-                             f"block, got {plan.steps_per_block}")
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                             f"context length {self.context_length}")
-        if len(ids) + plan.gen_len > self.context_length:
-            # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
-            plan = dataclasses.replace(plan, gen_len=self.context_length - len(ids))
-        if any(t >= V for t in greq.params.stop_token_ids):
-            # ids outside the vocabulary can never be generated: accepted (as SGLang does) and dropped,
-            # since the stop set also bans its members from early positions by index
-            kept = tuple(t for t in greq.params.stop_token_ids if t < V)
-            greq = dataclasses.replace(greq, params=greq.params.replace(stop_token_ids=kept))
-        if greq.return_logprob and greq.logprob_start_len >= len(ids):
-            raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
-        if greq.top_logprobs_num < 0:
-            raise ValueError("top_logprobs_num must be >= 0")
-        if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= mc.n_layers:
-            raise ValueError(f"bicache_depth must be in [0, {mc.n_layers}]")
-        p = greq.params
-        bad = [t for t, _ in p.logit_bias if t >= V]
-        if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
-        req = Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                  tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(p))
-        if self.kv_budget is not None and req.kv_tokens > self.kv_budget:
-            raise ValueError(f"the request needs K/V for {req.kv_tokens} positions, more than the engine's whole "
-                             f"budget of {self.kv_budget} (--max-total-tokens)")
-        return req
+    def build(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
+        """Raise ValueError naming what is wrong, else the request's state. A :class:`ValidRequest`
+        (validated at the edge, scheduler/validate.py) is trusted as it is."""
+        v = greq if isinstance(greq, ValidRequest) else validate_request(greq, self.limits)
+        mc = self.mc
+        return Req(v.greq, v.plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
+                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params))
 
     def constraint(self, p: SamplingParams) -> Constraint | None:
         """Compile the request's output constraint (cached per constraint and end ids; a fresh

@@ -37,6 +37,7 @@ from bicache_sgl.server.protocol import (
     check_batch_size,
     check_length,
     check_token_ids,
+    engine_request,
     field_error,
     is_int,
     parse_json_body,
@@ -181,7 +182,7 @@ def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit
         p = check_length(len(ids), params, explicit_max, state.context_length, state.args.block_length)
         base = p.replace(n=1) if p.n > 1 else p
         for j in range(p.n):
-            items.append(Item(input_ids=list(ids), params=base, logprob=lp, prompt_index=pi, sample_index=j))
+            items.append(Item(engine_request(ids, base, lp), prompt_index=pi, sample_index=j))
     return items
 
 
@@ -355,9 +356,9 @@ async def left_to_right_logprobs(state: ServerState, request: Request, targets: 
                                      max_n=state.args.max_n)
     out: list[tuple[list, list | None]] = []
     for lo in range(0, len(targets), SCORE_CHUNK):
-        items = [Item(input_ids=list(ids), params=params, log_metrics=False,
-                      logprob=LogprobOptions(return_logprob=True, logprob_start_len=i, top_logprobs_num=top,
-                                             return_text_in_logprobs=True))
+        items = [Item(engine_request(ids, params, LogprobOptions(return_logprob=True, logprob_start_len=i,
+                                                                 top_logprobs_num=top, return_text_in_logprobs=True)),
+                      log_metrics=False)
                  for ids, i in targets[lo:lo + SCORE_CHUNK]]
         sub = state.new_submission(items)
         await sub.submit()
