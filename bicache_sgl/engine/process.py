@@ -20,6 +20,10 @@ not on the engine's loop; the engine only sends ids.
 If the child dies, every request in flight finishes with an error event naming the exit code,
 later calls raise :class:`EngineDeadError`, and ``on_failure`` (set by the server: /health then
 answers 503) is called once.
+
+(A little over 400 lines: the client is one object whose startup, submissions, round trips,
+receiver and shutdown share one lock and one pending table; the child's side and the messages
+are in their own modules.)
 """
 
 from __future__ import annotations
