@@ -5,6 +5,7 @@ Plain dataclasses with no torch, imported by the server, the scheduler and the e
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from .config import SamplingParams
@@ -14,11 +15,19 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queued-requests."""
 
 
+def new_rid() -> str:
+    """A fresh request id: the one place one is minted (a request built without one gets it)."""
+    return uuid.uuid4().hex
+
+
 @dataclass
 class GenerateRequest:
+    """One engine request, typed; validated once against the engine's limits
+    (``bicache_sgl.scheduler.validate``) before it runs."""
+
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    rid: str | None = None
+    rid: str = field(default_factory=new_rid)
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0

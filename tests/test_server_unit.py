@@ -131,7 +131,7 @@ def test_nulls_and_noop_defaults_accepted_unknown_top_level_keys_ignored():
                "conversation_id": "c1", "whatever": 1})
     p = g.items[0].params
     assert p.temperature == SamplingParams().temperature and p.stop == ("x",)
-    assert g.items[0].logprob.logprob_start_len == -1
+    assert g.items[0].req.logprob_start_len == -1
     p = parse({"text": "abc", "sampling_params": FRONTEND_SAMPLING}).items[0].params
     assert (p.temperature, p.max_new_tokens, p.stop, p.top_k) == (0.0, 16, ("\n", "Q:"), -1)
 
@@ -252,9 +252,9 @@ def test_implicit_max_new_tokens_shrinks_to_context():
 
 def test_prefill_likelihood_defaults_to_all_positions():
     g = parse({"input_ids": [[1, 2, 3]], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True})
-    assert g.items[0].logprob.logprob_start_len == 0
+    assert g.items[0].req.logprob_start_len == 0
     g = parse({"text": "abc", "return_logprob": True})
-    assert g.items[0].logprob.logprob_start_len == -1
+    assert g.items[0].req.logprob_start_len == -1
 
 
 @pytest.mark.parametrize("body", [{"text": 1}, {"text": ""}, {"input_ids": [1.5]}, {"input_ids": [True]},
@@ -280,10 +280,11 @@ def test_json_body_errors():
 # -- streaming hold-back -----------------------------------------------------------------------------
 
 def test_stream_text_holds_back_stop_prefix_and_partial_chars():
-    from bicache_sgl.server.protocol import Item, LogprobOptions
+    from bicache_sgl.io_struct import GenerateRequest
+    from bicache_sgl.server.protocol import Item
     from bicache_sgl.server.responses import stream_text
 
-    item = Item(input_ids=[1], params=SamplingParams(stop=("END", "\n\n")), logprob=LogprobOptions())
+    item = Item(GenerateRequest([1], SamplingParams(stop=("END", "\n\n"))))
     ev = SimpleNamespace(text="hello EN", finished=False)
     assert stream_text(item, ev) == "hello "
     assert stream_text(item, SimpleNamespace(text="line\n", finished=False)) == "line"

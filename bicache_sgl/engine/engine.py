@@ -25,6 +25,7 @@ from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..scheduler.request import Req
+from ..scheduler.validate import ValidRequest
 from .model_runner import load
 from .stack import build_stack, context_length_of, measurement_stack
 
@@ -96,8 +97,9 @@ class Engine:
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
-    def _prepare(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Validate a request and build its state (raises ValueError naming the problem)."""
+    def _prepare(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
+        """Validate a request (a ValidRequest is trusted) and build its state (raises ValueError
+        naming the problem)."""
         return self.requests.build(greq, on_event)
 
     def validate(self, greq: GenerateRequest) -> None:
@@ -108,7 +110,7 @@ class Engine:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
         return self.submit_many([greq], [on_event])[0]
 
-    def submit_many(self, greqs: Sequence[GenerateRequest],
+    def submit_many(self, greqs: Sequence[GenerateRequest | ValidRequest],
                     on_events: Sequence[Callable[[RequestEvent], None] | None], *, start: bool = True) -> list[str]:
         """Queue several requests atomically (they become visible to the same step). ``start``
         False leaves the engine thread alone (``run_sync`` steps on the caller's thread)."""

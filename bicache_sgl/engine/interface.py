@@ -29,8 +29,10 @@ class EngineClient(Protocol):
         """Raise ValueError naming what is wrong with a request (nothing is queued)."""
 
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
-        """Queue one request; ``on_event`` runs on the engine thread for each block and at the end.
-        Raises ValueError (bad input) or QueueFullError (queue or memory budget full)."""
+        """Validate (once: ``bicache_sgl.scheduler.validate``) and queue one request; returns its
+        ``rid``. ``on_event`` runs on another thread for each block and at the end; every event's
+        ``meta_info`` is whole (the engine builds it). Raises ValueError (bad input) or
+        QueueFullError (queue or memory budget full)."""
 
     def submit_many(self, greqs: Sequence[GenerateRequest],
                     on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:

@@ -12,9 +12,7 @@ stop conditions, logprobs and text are ``decoding.sampling``, ``decoding.stop``,
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +33,8 @@ from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
 from ..models.config import ModelConfig
 from ..models.forward_batch import Capture, SeqKV, SeqWork
-from ..models.loader import generation_defaults
 from .structured import StructuredOutput
+from .validate import RequestLimits, ValidRequest, kv_lengths, validate_request
 
 __all__ = ["MAX_DREAM_STEPS", "DecodePlan", "Req", "RequestFactory"]
 
@@ -49,7 +47,7 @@ class Req:
                  logit_shift: int, tokenizer: Any, on_event: Callable[[RequestEvent], None] | None, seed: int,
                  constraint: Constraint | None = None) -> None:
         self.greq, self.plan = greq, plan
-        self.rid = greq.rid or uuid.uuid4().hex
+        self.rid = greq.rid
         self.params = p = greq.params.resolved()  # the factory has filled in the model's defaults
         self.prompt = list(greq.input_ids)
         self.prompt_len = len(self.prompt)
@@ -137,12 +135,8 @@ class Req:
     def kv_lengths(self) -> list[int]:
         """Positions of each private K/V buffer this request needs: the sequence itself, its
         classifier-free-guidance shadow, its likelihood probe."""
-        n = [self.seq_len if self.kind == "generate" else self.prompt_len]
-        if self.kind == "generate" and self.params.cfg_scale > 0:
-            n.append(self.seq_len)
-        if self.needs_score:
-            n.append(self.prompt_len)
-        return n
+        return kv_lengths(self.prompt_len, self.plan.gen_len, self.params.cfg_scale, self.greq.return_logprob,
+                          self.greq.logprob_start_len)
 
     @property
     def kv_tokens(self) -> int:
@@ -358,53 +352,17 @@ class RequestFactory:
         self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
         self.decode, self.context_length = decode, context_length
         self.kv_budget = kv_budget  # the scheduler's whole private-K/V budget (positions); None: unchecked
+        self.limits = RequestLimits.of(model_config, decode, context_length, kv_budget)
         # the checkpoint's generation_config.json defaults (below the request and the server)
-        self.generation = generation_defaults(model_config)
+        self.generation = self.limits.generation
 
-    def build(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Raise ValueError naming what is wrong, else the request's state."""
-        ids, mc = greq.input_ids, self.mc
-        if not ids:
-            raise ValueError("the prompt is empty")
-        V = mc.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
-        gen = self.generation
-        params = greq.params.resolved(gen.sampling_defaults())
-        if params is not greq.params:
-            greq = dataclasses.replace(greq, params=params)
-        plan = DecodePlan.resolve(params, self.decode, gen)
-        if plan.dream and plan.steps_per_block > MAX_DREAM_STEPS:
-            raise ValueError(f"steps: Dream's schedule ({plan.algorithm}) runs at most {MAX_DREAM_STEPS} steps per "
-                             f"block, got {plan.steps_per_block}")
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                             f"context length {self.context_length}")
-        if len(ids) + plan.gen_len > self.context_length:
-            # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
-            plan = dataclasses.replace(plan, gen_len=self.context_length - len(ids))
-        if any(t >= V for t in greq.params.stop_token_ids):
-            # ids outside the vocabulary can never be generated: accepted (as SGLang does) and dropped,
-            # since the stop set also bans its members from early positions by index
-            kept = tuple(t for t in greq.params.stop_token_ids if t < V)
-            greq = dataclasses.replace(greq, params=greq.params.replace(stop_token_ids=kept))
-        if greq.return_logprob and greq.logprob_start_len >= len(ids):
-            raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
-        if greq.top_logprobs_num < 0:
-            raise ValueError("top_logprobs_num must be >= 0")
-        if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= mc.n_layers:
-            raise ValueError(f"bicache_depth must be in [0, {mc.n_layers}]")
-        p = greq.params
-        bad = [t for t, _ in p.logit_bias if t >= V]
-        if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
-        req = Req(greq, plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                  tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(p))
-        if self.kv_budget is not None and req.kv_tokens > self.kv_budget:
-            raise ValueError(f"the request needs K/V for {req.kv_tokens} positions, more than the engine's whole "
-                             f"budget of {self.kv_budget} (--max-total-tokens)")
-        return req
+    def build(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
+        """Raise ValueError naming what is wrong, else the request's state. A :class:`ValidRequest`
+        (validated at the edge, scheduler/validate.py) is trusted as it is."""
+        v = greq if isinstance(greq, ValidRequest) else validate_request(greq, self.limits)
+        mc = self.mc
+        return Req(v.greq, v.plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
+                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params))
 
     def constraint(self, p: SamplingParams) -> Constraint | None:
         """Compile the request's output constraint (cached per constraint and end ids; a fresh

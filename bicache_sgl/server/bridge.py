@@ -12,29 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 
 from bicache_sgl.engine.interface import EngineClient
-from bicache_sgl.io_struct import GenerateRequest, QueueFullError, RequestEvent
+from bicache_sgl.io_struct import QueueFullError, RequestEvent
 from bicache_sgl.server.protocol import APIError, Item
 
 logger = logging.getLogger(__name__)
-
-
-def make_engine_request(item: Item) -> GenerateRequest:
-    """The engine request for one parsed item."""
-    return GenerateRequest(
-        bicache_depth=item.bicache_depth,
-        input_ids=item.input_ids,
-        params=item.params,
-        rid=item.rid,
-        return_logprob=item.logprob.return_logprob,
-        logprob_start_len=item.logprob.logprob_start_len,
-        top_logprobs_num=item.logprob.top_logprobs_num,
-        return_text_in_logprobs=item.logprob.return_text_in_logprobs,
-    )
 
 
 class Submission:
@@ -72,11 +57,7 @@ class Submission:
                     pass
             return on_event
 
-        reqs = []
-        for item in self.items:
-            if item.rid is None:
-                item.rid = uuid.uuid4().hex
-            reqs.append(make_engine_request(item))
+        reqs = [item.req for item in self.items]  # typed and with their rids since parsing
 
         def submit_all() -> None:
             if len(reqs) > 1:

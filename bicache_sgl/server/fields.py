@@ -147,7 +147,7 @@ SAMPLING_PASSTHROUGH = ("temperature", "top_p", "top_k", "stop", "stop_token_ids
                         "regex", "json_schema")
 
 # response_format is turned into sampling_params.json_schema by the OpenAI routes
-# (openai_api.response_format_schema)
+# (openai_common.response_format_schema)
 _COMMON_IMPLEMENTED = frozenset({"model", "max_tokens", "min_tokens", "stream", "stream_options", "logprobs",
                                  "response_format", *SAMPLING_PASSTHROUGH})
 COMPLETION_IMPLEMENTED = _COMMON_IMPLEMENTED | {"prompt", "echo"}

@@ -23,7 +23,7 @@ from bicache_sgl.server.protocol import (
     APIError,
     GenerateInput,
     Item,
-    LogprobOptions,
+    engine_request,
     parse_generate,
     parse_json_body,
     require_object,
@@ -209,40 +209,13 @@ async def generate(request: Request) -> Response:
     done: list[RequestEvent] = finals  # type: ignore[assignment]  # every entry is set (checked above)
     raise_if_failed(done)
     state.check_not_aborted_by_shutdown(done)
-    outs = [final_output(gi.items[i], f, sub, i) for i, f in enumerate(done)]
+    outs = [final_output(f) for f in done]
     return ORJSONResponse(outs if gi.batch else outs[0])
 
 
-def build_meta(item: Item, ev: RequestEvent, sub: Submission, i: int) -> dict[str, Any]:
-    """SGLang's ``meta_info`` for one event (final or intermediate)."""
-    out_ids = list(ev.output_ids or [])
-    meta: dict[str, Any] = {
-        "id": sub.rids[i] or item.rid,
-        "finish_reason": None,
-        "prompt_tokens": len(item.input_ids),
-        "completion_tokens": len(out_ids),
-        "cached_tokens": 0,
-        "e2e_latency": time.perf_counter() - sub.start,
-    }
-    engine_meta = dict(ev.meta_info or {})
-    meta.update({k: v for k, v in engine_meta.items() if v is not None or k not in meta})
-    if ev.finished:
-        meta["finish_reason"] = ev.finish_reason if ev.finish_reason is not None else engine_meta.get("finish_reason")
-        meta.setdefault("e2e_latency", time.perf_counter() - sub.start)
-    else:
-        meta["finish_reason"] = None
-        meta["completion_tokens"] = len(out_ids)
-    if item.logprob.return_logprob:
-        if "output_token_logprobs" in meta:
-            meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"] or [])
-    else:
-        for k in LOGPROB_KEYS:
-            meta.pop(k, None)
-    return meta
-
-
-def final_output(item: Item, ev: RequestEvent, sub: Submission, i: int) -> dict[str, Any]:
-    return {"text": ev.text or "", "output_ids": list(ev.output_ids or []), "meta_info": build_meta(item, ev, sub, i)}
+def final_output(ev: RequestEvent) -> dict[str, Any]:
+    """One request's answer; its ``meta_info`` is the engine's (the server adds nothing)."""
+    return {"text": ev.text or "", "output_ids": list(ev.output_ids or []), "meta_info": dict(ev.meta_info)}
 
 
 async def native_stream(state: ServerState, gi: GenerateInput, sub: Submission,
@@ -267,7 +240,7 @@ async def native_stream(state: ServerState, gi: GenerateInput, sub: Submission,
                 chunk_ids = ids[sent_ids[i]:]
                 if not ev.finished and not chunk_text and not chunk_ids:
                     continue
-                meta = build_meta(item, ev, sub, i)
+                meta = dict(ev.meta_info)  # the engine's; only its logprob lists are cut to deltas
                 for k in LOGPROB_KEYS:
                     v = meta.get(k)
                     if isinstance(v, list):
@@ -277,7 +250,7 @@ async def native_stream(state: ServerState, gi: GenerateInput, sub: Submission,
                 sent_text[i], sent_ids[i] = len(text), len(ids)
                 chunk = {"text": chunk_text, "output_ids": chunk_ids, "meta_info": meta}
             else:
-                chunk = {"text": text, "output_ids": ids, "meta_info": build_meta(item, ev, sub, i)}
+                chunk = {"text": text, "output_ids": ids, "meta_info": dict(ev.meta_info)}
             if gi.batch:
                 chunk["index"] = i
             yield sse(chunk)
@@ -297,8 +270,7 @@ async def probe(state: ServerState, timeout: float) -> bool:
     """A one-token generation through the engine, as SGLang's /health_generate does (not
     counted in the metrics)."""
     ids = state.tokenize("Hi") or [0]
-    item = Item(input_ids=ids, params=SamplingParams(max_new_tokens=1, temperature=0.0),
-                logprob=LogprobOptions(), log_metrics=False)
+    item = Item(engine_request(ids, SamplingParams(max_new_tokens=1, temperature=0.0)), log_metrics=False)
     sub = Submission(state.engine, [item])
     try:
         await sub.submit()

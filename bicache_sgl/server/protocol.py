@@ -1,9 +1,12 @@
 """Parsing and validation of SGLang's native ``/generate`` request.
 
 Everything here is pure (no engine thread, no I/O): a request body becomes a list of
-:class:`Item` (one per engine request, ``n`` already expanded) or an :class:`APIError`
-carrying the 4xx status and message. ``null`` always means "default". Which fields are
-implemented and which are refused is decided in :mod:`bicache_sgl.server.fields`.
+:class:`Item` (one per engine request, ``n`` already expanded), each holding the typed
+:class:`~bicache_sgl.io_struct.GenerateRequest` (its rid included) that is submitted as it is, or
+an :class:`APIError` carrying the 4xx status and message. ``null`` always means "default". Which
+fields are implemented and which are refused is decided in :mod:`bicache_sgl.server.fields`. The
+engine's own rules (vocabulary, context, K/V budget, constraint) are checked once more, by the
+engine client at submit (``bicache_sgl.scheduler.validate``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import orjson
 
 from bicache_sgl.config import SamplingParams, is_int
+from bicache_sgl.io_struct import GenerateRequest
 from bicache_sgl.server.fields import FieldError, check_generate_body
 
 
@@ -127,18 +131,36 @@ class LogprobOptions:
     return_text_in_logprobs: bool = False
 
 
+def engine_request(ids: list[int], params: SamplingParams, lp: LogprobOptions | None = None, *,
+                   rid: str | None = None, bicache_depth: int | None = None) -> GenerateRequest:
+    """The typed engine request of one parsed prompt (``rid`` None: the request mints its own)."""
+    lp = lp or LogprobOptions()
+    named = {} if rid is None else {"rid": rid}
+    return GenerateRequest(list(ids), params, return_logprob=lp.return_logprob,
+                           logprob_start_len=lp.logprob_start_len, top_logprobs_num=lp.top_logprobs_num,
+                           return_text_in_logprobs=lp.return_text_in_logprobs, bicache_depth=bicache_depth, **named)
+
+
 @dataclass
 class Item:
-    """One engine request: the tokenized prompt, its params and where its answer goes."""
+    """One engine request as the HTTP layer holds it: the typed request and where its answer goes."""
 
-    input_ids: list[int]
-    params: SamplingParams
-    logprob: LogprobOptions
-    rid: str | None = None
+    req: GenerateRequest
     prompt_index: int = 0  # which prompt of the batch
     sample_index: int = 0  # which of the n samples
-    bicache_depth: int | None = None  # the request's own depth (None: the engine's policy decides)
     log_metrics: bool = True  # counted in /metrics and /server_info (SGLang's log_metrics)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.req.input_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
 
 
 def _per_prompt(value: Any, n_prompts: int, name: str, batch: bool) -> list[Any]:
@@ -302,6 +324,6 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
             r = rid_list[i]
             if r is not None and n > 1:
                 r = f"{r}-{j}"
-            items.append(Item(input_ids=list(ids), params=base, logprob=lp, rid=r, prompt_index=i, sample_index=j,
-                              bicache_depth=depth_list[i], log_metrics=log_list[i] is not False))
+            req = engine_request(ids, base, lp, rid=r or None, bicache_depth=depth_list[i])
+            items.append(Item(req, prompt_index=i, sample_index=j, log_metrics=log_list[i] is not False))
     return GenerateInput(items=items, batch=batch or any_n, stream=stream)

@@ -96,10 +96,7 @@ class ServerState:
     def record_finish(self, item: Item, ev: RequestEvent, elapsed: float, ttft: float | None = None) -> None:
         if not item.log_metrics:
             return
-        meta = dict(ev.meta_info or {})
-        meta.setdefault("completion_tokens", len(ev.output_ids or []))
-        meta.setdefault("finish_reason", ev.finish_reason)
-        self.metrics.on_finish(len(item.input_ids), meta, elapsed, ttft)
+        self.metrics.on_finish(len(item.input_ids), ev.meta_info, elapsed, ttft)  # every final meta is whole
 
     def new_submission(self, items: list[Item]) -> Submission:
         """A :class:`Submission` whose finished requests are counted in the metrics."""

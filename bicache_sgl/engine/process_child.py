@@ -1,0 +1,233 @@
+"""The engine process's side of engine/process.py (the server process's side is
+:class:`~bicache_sgl.engine.process.EngineProcessClient`; the messages are in engine/wire.py).
+
+:func:`engine_main` loads the :class:`~bicache_sgl.engine.engine.Engine`, reports ``ready`` (or
+the startup error), then serves the parent's messages: submissions are queued on a small thread
+pool (seeding the constraint indexes the parent built, so none is built twice), aborts that
+arrive while their request is still being queued are applied right after, events go back
+through one sender thread (the engine's step only pays for a queue put).
+
+Failure handling: the child leaves the parent's process group (a Ctrl-C or a ``kill -TERM -PGID``
+reaches the server, which drains and then stops the engine, instead of killing the engine under
+running requests), ignores SIGINT, and exits as soon as the parent dies (a watchdog on the
+parent's sentinel), so no engine is orphaned.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from ..config import EngineConfig
+from ..constrained import token_table
+from ..constrained.index import seed as seed_index
+from ..io_struct import RequestEvent
+from ..runtime import available_cpus
+from ..scheduler.validate import ValidRequest
+from .wire import LOG_FORMAT, dumps, failed_event, portable_error
+
+log = logging.getLogger(__name__)
+
+SUBMIT_WORKERS = 2  # engine-process threads that queue submitted requests (building their constraints)
+
+
+def default_engine_threads(cpus: int | None = None) -> int | None:
+    """torch CPU threads for the engine when ``--num-threads`` is not given: every CPU but one
+    (that one is left to the HTTP server, the tokenizer and the engine's own Python side), never
+    more than torch's own default (physical cores), at least 1. ``None`` when ``OMP_NUM_THREADS``
+    is set: that is the user's choice and torch already follows it. Measured in
+    docs/performance.md ("Process layout and threads")."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    n = available_cpus() if cpus is None else cpus
+    import torch
+
+    return max(1, min(n - 1, torch.get_num_threads()))
+
+
+def _watch_parent() -> None:
+    """Exit at once when the parent process dies (no orphaned engine holding memory and cores)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        log.warning("the server process exited; the engine process stops")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="bicache-parent-watch", daemon=True).start()
+
+
+def _sender(ctx: zmq.Context, address: str, out: queue.SimpleQueue) -> None:
+    """Owns the child's PUSH socket. Drains ``out``; consecutive events go as one message.
+    ``None`` ends it (after everything queued before it was sent)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(address)
+    try:
+        stop = False
+        while not stop:
+            items = [out.get()]
+            while True:
+                try:
+                    items.append(out.get_nowait())
+                except queue.Empty:
+                    break
+            events: list[RequestEvent] = []
+            for it in items:
+                if isinstance(it, RequestEvent):
+                    events.append(it)
+                    continue
+                if events:
+                    sock.send(dumps(("events", events)))
+                    events = []
+                if it is None:
+                    stop = True
+                    break
+                sock.send(dumps(it))
+            if events:
+                sock.send(dumps(("events", events)))
+    finally:
+        sock.close()
+
+
+def engine_main(config: EngineConfig, req_address: str, event_address: str, log_level: str) -> None:
+    """Entry point of the engine process (multiprocessing, spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle (it drains first)
+    try:
+        os.setpgrp()  # out of the server's process group: group signals reach the server only
+    except OSError:
+        pass
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format=LOG_FORMAT,
+                        stream=sys.stderr, force=True)
+    _watch_parent()
+    ctx = zmq.Context()
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_sender, args=(ctx, event_address, out), name="bicache-engine-sender",
+                              daemon=True)
+    sender.start()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.connect(req_address)
+
+    def finish(code: int) -> None:
+        out.put(None)
+        sender.join(10.0)
+        inbox.close()
+        ctx.term()
+        sys.exit(code)
+
+    try:
+        from .engine import Engine
+
+        engine = Engine(config=config)
+    except BaseException as e:  # reported to the parent, which prints it
+        log.debug("engine construction failed", exc_info=True)
+        out.put(("startup_error", portable_error(e)))
+        finish(1)
+        return
+    import torch
+
+    info = {
+        "pid": os.getpid(),
+        "model_path": engine.model_path,
+        "model_config": engine.model_config,
+        "context_length": engine.context_length,
+        "eos_ids": tuple(engine.eos_ids),
+        "kv_budget": engine.scheduler.admission.kv_budget,
+        "config": engine.config,
+        "num_threads": torch.get_num_threads(),
+        "device": str(engine.device),
+    }
+    out.put(("ready", info))
+    log.info("engine process %d ready (torch threads: %d, device: %s)", os.getpid(), info["num_threads"],
+             info["device"])
+    callbacks = [out.put]  # one callback for every request: the event goes to the sender as it is
+
+    def in_thread(fn: Callable[[], Any], reply_id: int) -> None:
+        def run() -> None:
+            try:
+                out.put(("reply", reply_id, fn(), None))
+            except Exception as e:  # sent back to the caller
+                out.put(("reply", reply_id, None, portable_error(e)))
+        threading.Thread(target=run, name="bicache-engine-call", daemon=True).start()
+
+    submit_pool = ThreadPoolExecutor(SUBMIT_WORKERS, thread_name_prefix="bicache-submit")
+    submitting: set[str] = set()  # rids whose submit runs in the pool
+    early_aborts: set[str] = set()  # aborts that arrived before their request was queued
+    submitting_lock = threading.Lock()
+
+    def submit(valid: list[ValidRequest], reply_id: int | None, seeds: list) -> None:
+        try:
+            for regex, limits, data in seeds:
+                seed_index(regex, token_table(engine.tokenizer), limits, data)
+            # trusted as validated (RequestFactory.build takes a ValidRequest as it is); what only
+            # this process knows is still checked here: the queue limit, rids already running
+            engine.submit_many(valid, callbacks * len(valid))
+        except Exception as e:  # answered either way
+            if reply_id is not None:
+                out.put(("reply", reply_id, None, portable_error(e)))
+            else:
+                now = time.perf_counter()
+                for v in valid:
+                    out.put(failed_event(v.rid, f"the engine refused the request: {e}",
+                                         prompt_tokens=len(v.greq.input_ids), since=now))
+        else:
+            if reply_id is not None:
+                out.put(("reply", reply_id, True, None))
+        finally:
+            with submitting_lock:
+                late = [v.rid for v in valid if v.rid in early_aborts]
+                for v in valid:
+                    submitting.discard(v.rid)
+                    early_aborts.discard(v.rid)
+            for rid in late:
+                engine.abort(rid)
+
+    while True:
+        msg = pickle.loads(inbox.recv())
+        kind = msg[0]
+        if kind == "submit":
+            # off the message loop (a constraint may still take seconds to build here), in a small
+            # pool: aborts, stats and flushes keep being answered meanwhile
+            valid, reply_id, seeds = msg[1], msg[2], msg[3]
+            with submitting_lock:
+                submitting.update(v.rid for v in valid)
+            submit_pool.submit(submit, valid, reply_id, seeds)
+        elif kind == "abort":
+            with submitting_lock:
+                if msg[1] in submitting:  # its submit is still running: abort it right after
+                    early_aborts.add(msg[1])
+                    continue
+            engine.abort(msg[1])
+        elif kind == "stats":
+            try:
+                out.put(("reply", msg[1], engine.get_stats(), None))
+            except Exception as e:
+                out.put(("reply", msg[1], None, portable_error(e)))
+        elif kind == "flush":
+            timeout = msg[2]
+            in_thread(lambda t=timeout: engine.flush_cache(t), msg[1])
+        elif kind == "shutdown":
+            engine.shutdown(timeout=msg[1])  # in-flight requests get their abort events first
+            out.put(("bye",))
+            finish(0)
+            return
+        else:
+            log.error("unknown message %r", kind)

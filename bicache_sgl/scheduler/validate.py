@@ -1,0 +1,112 @@
+"""The request edge: what a :class:`GenerateRequest` resolves to and whether the loaded engine can
+run it, checked ONCE (docs/architecture.md, "One request's path").
+
+Pure and cheap: no tensor, no constraint compile (the caller compiles the constraint through the
+cached build pool, ``RequestFactory.constraint``). The server process runs
+:func:`validate_request` against the limits its engine process reported, and sends the
+:class:`ValidRequest` on; the engine builds its ``Req`` from it without checking again.
+``RequestFactory.build`` runs it for a plain ``GenerateRequest`` (the offline API, the engine in
+the server process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import DecodeDefaults
+from ..decoding.plan import MAX_DREAM_STEPS, DecodePlan
+from ..io_struct import GenerateRequest
+from ..models.config import ModelConfig
+from ..models.loader import GenerationDefaults, generation_defaults
+
+__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "RequestLimits", "ValidRequest", "kv_lengths", "validate_request"]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the loaded model and the engine's settings."""
+
+    vocab_size: int
+    n_layers: int
+    context_length: int  # max prompt + generation region, in tokens
+    decode: DecodeDefaults  # the server's decode defaults
+    generation: GenerationDefaults  # the checkpoint's generation_config.json defaults
+    kv_budget: int | None = None  # the scheduler's whole private-K/V budget (positions); None: unchecked
+
+    @classmethod
+    def of(cls, mc: ModelConfig, decode: DecodeDefaults, context_length: int,
+           kv_budget: int | None = None) -> RequestLimits:
+        return cls(mc.vocab_size, mc.n_layers, context_length, decode, generation_defaults(mc), kv_budget)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed :func:`validate_request`: its params resolved (model defaults filled
+    in, stop ids outside the vocabulary dropped) and its decode plan. The engine trusts it; treat
+    ``greq`` as read-only from here on (the plan was derived from it)."""
+
+    greq: GenerateRequest
+    plan: DecodePlan
+    kv_tokens: int  # private K/V positions (all layers) it holds while it runs
+
+    @property
+    def rid(self) -> str:
+        return self.greq.rid
+
+
+def kv_lengths(prompt_len: int, gen_len: int, cfg_scale: float, return_logprob: bool,
+               logprob_start_len: int) -> list[int]:
+    """Positions of each private K/V buffer a request needs: the sequence itself, its
+    classifier-free-guidance shadow, its likelihood probe (prefill-only with logprobs: a score)."""
+    generate = gen_len > 0
+    n = [prompt_len + gen_len if generate else prompt_len]
+    if generate and cfg_scale > 0:
+        n.append(prompt_len + gen_len)
+    if (not generate and return_logprob) or (return_logprob and logprob_start_len >= 0):
+        n.append(prompt_len)
+    return n
+
+
+def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidRequest:
+    """Raise ValueError naming what is wrong, else the request as the engine will run it."""
+    ids, V = greq.input_ids, limits.vocab_size
+    if not isinstance(greq.rid, str) or not greq.rid:
+        raise ValueError(f"rid must be a non-empty string, got {greq.rid!r}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
+    gen, ctx = limits.generation, limits.context_length
+    params = greq.params.resolved(gen.sampling_defaults())
+    plan = DecodePlan.resolve(params, limits.decode, gen)
+    if plan.dream and plan.steps_per_block > MAX_DREAM_STEPS:
+        raise ValueError(f"steps: Dream's schedule ({plan.algorithm}) runs at most {MAX_DREAM_STEPS} steps per "
+                         f"block, got {plan.steps_per_block}")
+    if len(ids) + params.max_new_tokens > ctx:
+        raise ValueError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+                         f"context length {ctx}")
+    if len(ids) + plan.gen_len > ctx:
+        # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
+        plan = dataclasses.replace(plan, gen_len=ctx - len(ids))
+    if any(t >= V for t in params.stop_token_ids):
+        # ids outside the vocabulary can never be generated: accepted (as SGLang does) and dropped,
+        # since the stop set also bans its members from early positions by index
+        params = params.replace(stop_token_ids=tuple(t for t in params.stop_token_ids if t < V))
+    if greq.return_logprob and greq.logprob_start_len >= len(ids):
+        raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
+    if greq.top_logprobs_num < 0:
+        raise ValueError("top_logprobs_num must be >= 0")
+    if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= limits.n_layers:
+        raise ValueError(f"bicache_depth must be in [0, {limits.n_layers}]")
+    bad = [t for t, _ in params.logit_bias if t >= V]
+    if bad:
+        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
+    kv = sum(kv_lengths(len(ids), plan.gen_len, params.cfg_scale, greq.return_logprob, greq.logprob_start_len))
+    if limits.kv_budget is not None and kv > limits.kv_budget:
+        raise ValueError(f"the request needs K/V for {kv} positions, more than the engine's whole "
+                         f"budget of {limits.kv_budget} (--max-total-tokens)")
+    if params is not greq.params:
+        greq = dataclasses.replace(greq, params=params)
+    return ValidRequest(greq, plan, kv)

@@ -1,0 +1,242 @@
+"""What the OpenAI routes share: model names, request checks, the
+native sampling params and engine items of a request, usage, finish reasons and the
+:class:`Job` envelope. The routes are in :mod:`~bicache_sgl.server.openai_completions` and
+:mod:`~bicache_sgl.server.openai_chat`, registered by :mod:`~bicache_sgl.server.openai_api`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from bicache_sgl.io_struct import RequestEvent
+from bicache_sgl.server.bridge import Submission
+from bicache_sgl.server.fields import SAMPLING_PASSTHROUGH, FieldError, check_stream_options
+from bicache_sgl.server.protocol import (
+    APIError,
+    Item,
+    LogprobOptions,
+    check_batch_size,
+    check_length,
+    engine_request,
+    field_error,
+    is_int,
+    sampling_params_from,
+)
+from bicache_sgl.server.responses import raise_if_failed
+from bicache_sgl.server.state import ServerState
+
+MAX_TOP_LOGPROBS = 20
+STREAM_HEADERS = {"Cache-Control": "no-cache"}
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "sglang",
+            "root": state.served_model_name, "parent": None, "max_model_len": state.context_length}
+
+
+def known_names(state: ServerState) -> set[str]:
+    """Model names a request may use: the served name, the model path and its folder, ``default``."""
+    names = {state.served_model_name, state.model_path, "default"}
+    if state.model_path:
+        names.add(os.path.basename(os.path.normpath(state.model_path)))
+    return {n for n in names if n}
+
+
+def check_model(state: ServerState, name: Any) -> None:
+    if name is None or name == "":
+        return
+    if not isinstance(name, str):
+        raise APIError("model must be a string", param="model")
+    if name not in known_names(state):
+        raise APIError(f"The model '{name}' does not exist; this server serves '{state.served_model_name}'.",
+                       status=404, err_type="invalid_request_error", code="model_not_found", param="model")
+
+
+def check_fields(check: Callable[[Mapping[str, Any]], None], body: Mapping[str, Any]) -> None:
+    try:
+        check(body)
+    except FieldError as e:
+        raise field_error(e) from None
+
+
+JSON_OBJECT_SCHEMA = {"type": "object"}  # what SGLang's OpenAI routes send for json_object
+
+
+def response_format_schema(rf: Any) -> dict | bool | None:
+    """OpenAI ``response_format`` -> the JSON schema the output must follow (None: free text).
+
+    ``{"type": "text"}``: none; ``{"type": "json_object"}``: any JSON object (as SGLang:
+    ``{"type": "object"}``, a bounded nesting depth, docs/structured.md); ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``: that schema (``strict`` is
+    accepted either way: the output always follows the schema). Anything else is a 400."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise APIError("response_format must be an object such as {\"type\": \"json_object\"}",
+                       param="response_format")
+    kind = rf.get("type")
+    extra = set(rf) - {"type", "json_schema"}
+    if extra:
+        raise APIError(f"response_format.{sorted(extra)[0]} is not a field of response_format",
+                       param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return dict(JSON_OBJECT_SCHEMA)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise APIError("response_format.json_schema must be an object with a schema", param="response_format")
+        unknown = set(js) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise APIError(f"response_format.json_schema.{sorted(unknown)[0]} is not a field of json_schema",
+                           param="response_format")
+        schema = js.get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise APIError("response_format.json_schema.schema is required (a JSON schema object)",
+                           param="response_format")
+        return schema
+    if kind == "structural_tag":
+        raise APIError("response_format structural_tag is not supported (tool-call grammars); use json_schema",
+                       param="response_format")
+    raise APIError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format")
+
+
+def sampling_dict(body: dict, max_tokens: Any, default_max: int | None) -> dict[str, Any]:
+    """The native sampling_params of an OpenAI request (only implemented keys get here)."""
+    sp: dict[str, Any] = {k: body[k] for k in SAMPLING_PASSTHROUGH if body.get(k) is not None}
+    schema = response_format_schema(body.get("response_format"))
+    if schema is not None:
+        other = next((k for k in ("json_schema", "regex") if sp.get(k) is not None), None)
+        if other is not None:
+            raise APIError(f"response_format and {other} cannot both be set: one constraint per request",
+                           param="response_format")
+        sp["json_schema"] = schema
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    elif default_max is not None:
+        sp["max_new_tokens"] = default_max
+    if body.get("min_tokens") is not None:
+        sp["min_new_tokens"] = body["min_tokens"]
+    return sp
+
+
+def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,
+               lp: LogprobOptions) -> list[Item]:
+    """One engine item per prompt and sample (prompt-major), each checked against the context."""
+    try:
+        params, _ = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
+    except APIError as e:
+        e.param = None  # the message names the field; there is no "sampling_params" field on /v1
+        raise
+    check_batch_size(len(id_lists) * params.n, state.args.max_batch_size,
+                     "sequences (prompts x n)" if params.n > 1 else "prompts")
+    items = []
+    for pi, ids in enumerate(id_lists):
+        p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
+        base = p.replace(n=1) if p.n > 1 else p
+        for j in range(p.n):
+            items.append(Item(engine_request(ids, base, lp), prompt_index=pi, sample_index=j))
+    return items
+
+
+def check_logprob_count(v: Any, name: str) -> int:
+    if not is_int(v) or v < 0 or v > MAX_TOP_LOGPROBS:
+        raise APIError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {v!r}", param=name)
+    return v
+
+
+def check_bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise APIError(f"{key} must be a boolean, got {v!r}", param=key)
+    return v
+
+
+def check_max_tokens(v: Any, name: str) -> None:
+    if v is not None and (not is_int(v) or v < 0):
+        raise APIError(f"{name} must be an integer >= 0, got {v!r}", param=name)
+
+
+def include_usage(body: dict) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise APIError("stream_options must be an object", param="stream_options")
+    check_fields(check_stream_options, so)
+    return bool(so.get("include_usage"))
+
+
+def usage(items: list[Item], finals: list[RequestEvent]) -> dict[str, int]:
+    """Prompt tokens once per prompt (not per sample), completion tokens of every sample."""
+    seen: set[int] = set()
+    prompt = 0
+    for it in items:
+        if it.prompt_index not in seen:
+            seen.add(it.prompt_index)
+            prompt += len(it.input_ids)
+    completion = sum(len(f.output_ids or []) for f in finals)
+    # reasoning_tokens: SGLang always sends it (0 without a reasoning parser, as here)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "reasoning_tokens": 0}
+
+
+def finish(fr: Any) -> tuple[str | None, Any]:
+    """SGLang finish_reason dict -> (OpenAI finish_reason, matched_stop)."""
+    if not isinstance(fr, dict):
+        return None, None
+    kind = fr.get("type")
+    if kind == "stop":
+        return "stop", fr.get("matched")
+    if kind == "length":
+        return "length", None
+    return kind, None
+
+
+def token_text(state: ServerState, entry: list) -> str:
+    t = entry[2] if len(entry) > 2 else None
+    return t if isinstance(t, str) else state.decode_token(int(entry[1]))
+
+
+async def collect(state: ServerState, sub: Submission, request: Request) -> list[RequestEvent] | None:
+    """Every final event, or None when the client went away."""
+    finals: list[RequestEvent | None] = [None] * len(sub.items)
+    async for i, ev in sub.events(request.is_disconnected):
+        if ev.finished:
+            finals[i] = ev
+    if any(f is None for f in finals):
+        return None
+    done: list[RequestEvent] = finals  # type: ignore[assignment]  # every entry is set (checked above)
+    raise_if_failed(done)
+    state.check_not_aborted_by_shutdown(done)
+    return done
+
+
+@dataclass
+class Job:
+    """One accepted OpenAI request: what its answer needs besides the events."""
+
+    state: ServerState
+    sub: Submission
+    items: list[Item]
+    object_type: str  # "text_completion" | "chat.completion"
+    rid: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model(self) -> str:
+        return self.state.served_model_name
+
+    def envelope(self, choices: list[dict], usage_: dict | None, obj: str | None = None) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj or self.object_type, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_}
