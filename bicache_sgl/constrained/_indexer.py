@@ -22,25 +22,35 @@ import numpy as np
 SENTINEL = "\U0010FFFF".encode()  # a noncharacter: appended to every regex (see build)
 
 
-def _live(n: int, src: np.ndarray, dst: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-    """States reachable from ``seeds`` along edges src -> dst (bool [n])."""
-    seen = np.zeros(n, dtype=bool)
-    seen[seeds] = True
+def bfs_levels(n: int, src: np.ndarray, dst: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """Fewest edges src -> dst from any of ``seeds`` to each state (int64 [n], -1: unreachable).
+
+    Breadth-first over a CSR view of the edge list, a whole frontier per numpy step (the edge
+    lists reach millions of entries: no Python loop per edge or state)."""
+    dist = np.full(n, -1, dtype=np.int64)
+    frontier = np.unique(np.asarray(seeds, dtype=np.int64))
+    dist[frontier] = 0
     order = np.argsort(src, kind="stable")
     s_sorted, d_sorted = src[order], dst[order]
     ptr = np.searchsorted(s_sorted, np.arange(n + 1))
-    frontier = np.flatnonzero(seen)
+    level = 0
     while frontier.size:
+        level += 1
         lo, hi = ptr[frontier], ptr[frontier + 1]
         cnt = hi - lo
         if cnt.sum() == 0:
             break
         idx = np.repeat(lo - np.cumsum(cnt) + cnt, cnt) + np.arange(cnt.sum())
         nxt = np.unique(d_sorted[idx])
-        nxt = nxt[~seen[nxt]]
-        seen[nxt] = True
+        nxt = nxt[dist[nxt] < 0]
+        dist[nxt] = level
         frontier = nxt
-    return seen
+    return dist
+
+
+def _live(n: int, src: np.ndarray, dst: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """States reachable from ``seeds`` along edges src -> dst (bool [n])."""
+    return bfs_levels(n, src, dst, seeds) >= 0
 
 
 def build(tokens, regex: str, max_states: int, max_edges: int) -> dict:

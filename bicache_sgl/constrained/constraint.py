@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._indexer import bfs_levels
 from .errors import ConstraintError, NoCompletion
 from .index import IndexData
 
@@ -194,26 +195,8 @@ class Constraint:
 
     def _compute_distances(self) -> np.ndarray:
         """Fewest tokens from each state to an accepting one (-1: none), by backward BFS."""
-        S = self.n_states
-        dist = np.full(S, -1, dtype=np.int64)
-        frontier = np.flatnonzero(self.accepting_np)
-        dist[frontier] = 0
-        order = np.argsort(self._dst_np, kind="stable")
-        d_sorted, s_sorted = self._dst_np[order], self._src_np[order]
-        ptr = np.searchsorted(d_sorted, np.arange(S + 1))
-        d = 0
-        while frontier.size:
-            d += 1
-            lo, hi = ptr[frontier], ptr[frontier + 1]
-            cnt = hi - lo
-            if cnt.sum() == 0:
-                break
-            idx = np.repeat(lo - np.cumsum(cnt) + cnt, cnt) + np.arange(cnt.sum())
-            prev = np.unique(s_sorted[idx])
-            prev = prev[dist[prev] < 0]
-            dist[prev] = d
-            frontier = prev
-        return dist
+        # backward: edges dst -> src, from the accepting states
+        return bfs_levels(self.n_states, self._dst_np, self._src_np, np.flatnonzero(self.accepting_np))
 
     def feasible_states(self, r: int) -> np.ndarray:
         """bool [S]: states from which a fully matching output fits in exactly ``r`` more
