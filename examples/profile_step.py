@@ -47,7 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-rows", type=int, default=32, help="steps computing at most this many rows are "
                     "reported on their own (the block steps; default: the block length)")
-    ap.add_argument("--compile", action="store_true", help="EngineConfig.compile: torch.compile the layers")
     args = ap.parse_args(argv)
     from bicache_sgl.config import parse_prefix_cache_mode
     try:
@@ -147,9 +146,8 @@ def main(argv=None) -> dict:
     sp = SamplingParams(max_new_tokens=args.output_len if gsp else 32, temperature=0, ignore_eos=gsp)
     results = {}
     for mode in args.modes.split(","):
-        extra = {"compile": True} if args.compile else {}
         eng = Engine(args.model_path, prefix_cache=mode, max_running_requests=args.max_running,
-                     num_threads=args.threads, **extra)
+                     num_threads=args.threads)
         try:
             prompts = build_prompts(args, eng.tokenizer)
 
