@@ -38,10 +38,10 @@ class TorchAttention(AttentionBackend):
         if plan is None:
             plan = self._plans[layout_key] = _plan(q_indptr, self, q.device)
         if plan.whole is not None:  # one call whose output rows are q's rows, in order
-            return plan.whole.run(q, k_store, v_store, plan.whole.key_rows(self, q.device)[layer], q_indptr)
+            return plan.whole.run(self, q, k_store, v_store, layer, q_indptr)
         out = torch.empty_like(q)
         for group in plan.groups:
-            o = group.run(q, k_store, v_store, group.key_rows(self, q.device)[layer], q_indptr)
+            o = group.run(self, q, k_store, v_store, layer, q_indptr)
             if group.q_rows is None:
                 i = group.members[0]
                 out[q_indptr[i]:q_indptr[i + 1]] = o
@@ -62,12 +62,17 @@ class _Group:
         self.members, self.nk = members, nk
         self.q_rows, self.src, self.dst, self.key_mask = q_rows, src, dst, key_mask
         self._rows: torch.Tensor | None = None
+        self._run_start: list[int | None] = []  # lone sequence: per layer, the first row of a contiguous run
 
     def key_rows(self, backend: AttentionBackend, device: torch.device) -> torch.Tensor:
         """long [L, B * nk]: the store row of every key slot of the group, per layer."""
         if self._rows is None:
             if len(self.members) == 1:
                 idx = backend.kv_rows[self.members[0]]
+                # layers whose rows are one ascending run [a, a + N) (private rows as allocated):
+                # their keys are a view of the store, no gather
+                run = (np.diff(idx, axis=1) == 1).all(axis=1) if idx.shape[1] > 1 else np.ones(len(idx), bool)
+                self._run_start = [int(idx[li, 0]) if ok else None for li, ok in enumerate(run)]
             else:
                 flat, indptr = backend.flat_rows()
                 m = np.asarray(self.members)
@@ -78,17 +83,21 @@ class _Group:
             self._rows = torch.from_numpy(np.ascontiguousarray(idx)).to(device)
         return self._rows
 
-    def run(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, kv_idx: torch.Tensor,
-            q_indptr: Sequence[int]) -> torch.Tensor:
-        """The group's attention output with keys ``kv_idx`` (one layer of ``key_rows``): [n_i, H,
-        Dh] for a lone sequence i, else the valid rows of the padded call ([len(dst), H, Dh], in
-        dst order)."""
+    def run(self, backend: AttentionBackend, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+            layer: int, q_indptr: Sequence[int]) -> torch.Tensor:
+        """The group's attention output at ``layer``: [n_i, H, Dh] for a lone sequence i, else the
+        valid rows of the padded call ([len(dst), H, Dh], in dst order)."""
+        kv_idx = self.key_rows(backend, q.device)[layer]
         # Gathers use index_select on flat indices: on CPU it copies whole rows, ~6x faster than
         # advanced indexing with a 2-D index (which goes element by element).
         if self.q_rows is None:  # one sequence: no padding
             i = self.members[0]
-            return sdpa_one(q[q_indptr[i]:q_indptr[i + 1]], k_store.index_select(0, kv_idx),
-                            v_store.index_select(0, kv_idx))
+            a = self._run_start[layer]
+            if a is None:
+                k, v = k_store.index_select(0, kv_idx), v_store.index_select(0, kv_idx)
+            else:
+                k, v = k_store[a:a + self.nk], v_store[a:a + self.nk]
+            return sdpa_one(q[q_indptr[i]:q_indptr[i + 1]], k, v)
         B, nq = self.q_rows.shape
         qg = q.index_select(0, self.q_rows.view(-1)).view(B, nq, *q.shape[1:])
         kg = k_store.index_select(0, kv_idx).view(B, self.nk, *k_store.shape[1:])
