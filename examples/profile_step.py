@@ -15,7 +15,8 @@ Workloads (the ones of issue 13's headline and of the serving sweep):
 
 Per forward it also prints the median step time (schedule + forward + postprocess) and the model
 forward alone (``ModelRunner.forward``), over all steps and over the steps computing at most
---step-rows rows (the block steps), and the aten operators per forward counted by torch.profiler
+--step-rows rows (the block steps), with the step's CPU time on this thread (less sensitive to
+other load on the machine than the wall time), and the aten operators per forward counted by torch.profiler
 (top-level: called from Python, not from inside another aten op; all: every aten op). Operator
 counts do not depend on the machine's load, the times do.
 """
@@ -90,7 +91,7 @@ class StepTimer:
     """Times every engine step and the model forward inside it, with the rows it computed."""
 
     def __init__(self, eng) -> None:
-        self.records: list[tuple[int, float, float]] = []  # (rows, step s, forward s)
+        self.records: list[tuple[int, float, float, float]] = []  # (rows, step s, forward s, step CPU s)
         self._cur: dict = {}
         forward, step = eng.runner.forward, eng.step
 
@@ -103,11 +104,11 @@ class StepTimer:
 
         def timed_step():
             self._cur.clear()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             ran = step()
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.thread_time() - c
             if "rows" in self._cur:
-                self.records.append((self._cur["rows"], dt, self._cur["forward"]))
+                self.records.append((self._cur["rows"], dt, self._cur["forward"], dc))
             return ran
         eng.runner.forward, eng.step = timed_forward, timed_step
 
@@ -117,7 +118,7 @@ class StepTimer:
         small = [r for r in self.records if r[0] <= max_rows]
         return {"step_ms": med([r[1] for r in self.records]), "forward_ms": med([r[2] for r in self.records]),
                 "small_n": len(small), "small_step_ms": med([r[1] for r in small]),
-                "small_forward_ms": med([r[2] for r in small])}
+                "small_forward_ms": med([r[2] for r in small]), "small_cpu_ms": med([r[3] for r in small])}
 
 
 def count_ops(prof) -> tuple[int, int]:
@@ -183,13 +184,13 @@ def main(argv=None) -> dict:
               f"| {r['computed']} | {ref['computed'] / r['computed']:.2f}x |")
     print(f"\nPer forward (median ms; small: the steps computing <= {args.step_rows} rows; aten ops per forward "
           "from the profiled run)\n")
-    print("| mode | step | forward | small steps | small: step | small: forward | aten ops (top-level) "
-          "| aten ops (all) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | step | forward | small steps | small: step | small: forward | small: step CPU "
+          "| aten ops (top-level) | aten ops (all) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode, r in results.items():
         ops = f"{r['ops_top']:.0f} | {r['ops_all']:.0f}" if "ops_top" in r else "n/a | n/a"
         print(f"| {mode} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['small_n'] // args.runs} "
-              f"| {r['small_step_ms']:.2f} | {r['small_forward_ms']:.2f} | {ops} |")
+              f"| {r['small_step_ms']:.2f} | {r['small_forward_ms']:.2f} | {r['small_cpu_ms']:.2f} | {ops} |")
     for mode, r in results.items():
         if "ops" in r:
             print(f"\n### {mode}: top operators by self CPU time (one run)\n{r['ops']}")
