@@ -11,6 +11,14 @@ Workloads (the ones of issue 13's headline and of the serving sweep):
     python examples/profile_step.py                          # gsp, off vs bicache, 4 timed runs each
     python examples/profile_step.py --workload fewshot --max-running 16
     python examples/profile_step.py --ops 0                  # timings only
+    python examples/profile_step.py --max-running 1          # the per-forward floor (one request a step)
+
+Per forward it also prints the median step time (schedule + forward + postprocess) and the model
+forward alone (``ModelRunner.forward``), over all steps and over the steps computing at most
+--step-rows rows (the block steps), with the step's CPU time on this thread (less sensitive to
+other load on the machine than the wall time), and the aten operators per forward counted by torch.profiler
+(top-level: called from Python, not from inside another aten op; all: every aten op). Operator
+counts do not depend on the machine's load, the times do.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the server's engine default on 2 CPUs)")
     ap.add_argument("--ops", type=int, default=12, help="operators to list from torch.profiler (0: no profile)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-rows", type=int, default=32, help="steps computing at most this many rows are "
+                    "reported on their own (the block steps; default: the block length)")
     args = ap.parse_args(argv)
     from bicache_sgl.config import parse_prefix_cache_mode
     try:
@@ -77,6 +87,54 @@ def run(eng, prompts: list[list[int]], sp) -> float:
     return time.perf_counter() - t
 
 
+class StepTimer:
+    """Times every engine step and the model forward inside it, with the rows it computed."""
+
+    def __init__(self, eng) -> None:
+        self.records: list[tuple[int, float, float, float]] = []  # (rows, step s, forward s, step CPU s)
+        self._cur: dict = {}
+        forward, step = eng.runner.forward, eng.step
+
+        def timed_forward(works):
+            t = time.perf_counter()
+            out = forward(works)
+            self._cur["forward"] = time.perf_counter() - t
+            self._cur["rows"] = sum(len(w.positions) for w in works)
+            return out
+
+        def timed_step():
+            self._cur.clear()
+            t, c = time.perf_counter(), time.thread_time()
+            ran = step()
+            dt, dc = time.perf_counter() - t, time.thread_time() - c
+            if "rows" in self._cur:
+                self.records.append((self._cur["rows"], dt, self._cur["forward"], dc))
+            return ran
+        eng.runner.forward, eng.step = timed_forward, timed_step
+
+    def summary(self, max_rows: int) -> dict:
+        def med(xs):
+            return statistics.median(xs) * 1e3 if xs else float("nan")
+        small = [r for r in self.records if r[0] <= max_rows]
+        return {"step_ms": med([r[1] for r in self.records]), "forward_ms": med([r[2] for r in self.records]),
+                "small_n": len(small), "small_step_ms": med([r[1] for r in small]),
+                "small_forward_ms": med([r[2] for r in small]), "small_cpu_ms": med([r[3] for r in small])}
+
+
+def count_ops(prof) -> tuple[int, int]:
+    """(top-level aten ops, all aten ops) recorded by ``prof``."""
+    top = every = 0
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        every += 1
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        top += p is None
+    return top, every
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -95,17 +153,23 @@ def main(argv=None) -> dict:
             prompts = build_prompts(args, eng.tokenizer)
 
             run(eng, prompts, sp)  # warm-up
+            timer = StepTimer(eng)
             base = dict(eng.get_stats())
             times = [run(eng, prompts, sp) for _ in range(args.runs)]
             st = eng.get_stats()
             n = max(1, args.runs)
             res = {"times": times, "best": min(times), "median": statistics.median(times),
                    "forwards": (st["num_forward_passes"] - base["num_forward_passes"]) // n,
-                   "computed": (st["computed_layer_tokens"] - base["computed_layer_tokens"]) // n}
+                   "computed": (st["computed_layer_tokens"] - base["computed_layer_tokens"]) // n,
+                   **timer.summary(args.step_rows)}
             if args.ops > 0:
                 from torch.profiler import ProfilerActivity, profile
+                f0 = eng.get_stats()["num_forward_passes"]
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     run(eng, prompts, sp)
+                fwd = max(1, eng.get_stats()["num_forward_passes"] - f0)
+                top, every = count_ops(prof)
+                res["ops_top"], res["ops_all"] = top / fwd, every / fwd
                 res["ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops)
             results[mode] = res
         finally:
@@ -118,6 +182,15 @@ def main(argv=None) -> dict:
     for mode, r in results.items():
         print(f"| {mode} | {r['best']:.3f} | {r['median']:.3f} | {ref['best'] / r['best']:.2f}x | {r['forwards']} "
               f"| {r['computed']} | {ref['computed'] / r['computed']:.2f}x |")
+    print(f"\nPer forward (median ms; small: the steps computing <= {args.step_rows} rows; aten ops per forward "
+          "from the profiled run)\n")
+    print("| mode | step | forward | small steps | small: step | small: forward | small: step CPU "
+          "| aten ops (top-level) | aten ops (all) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        ops = f"{r['ops_top']:.0f} | {r['ops_all']:.0f}" if "ops_top" in r else "n/a | n/a"
+        print(f"| {mode} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['small_n'] // args.runs} "
+              f"| {r['small_step_ms']:.2f} | {r['small_forward_ms']:.2f} | {r['small_cpu_ms']:.2f} | {ops} |")
     for mode, r in results.items():
         if "ops" in r:
             print(f"\n### {mode}: top operators by self CPU time (one run)\n{r['ops']}")

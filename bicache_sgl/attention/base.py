@@ -20,10 +20,24 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    def begin_forward(self, kv_rows: Sequence[np.ndarray]) -> None:
+    def begin_forward(self, kv_rows: Sequence[np.ndarray],
+                      flat: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Once per model forward. ``kv_rows[i]``: int64 [L, N_i], the store row of sequence i's
-        K/V at every layer and position (its keys at layer l are ``k_store[kv_rows[i][l]]``)."""
+        K/V at every layer and position (its keys at layer l are ``k_store[kv_rows[i][l]]``).
+        ``flat``: the same rows side by side, (int64 [L, sum N_i], indptr [B + 1]) with sequence
+        i in columns indptr[i]:indptr[i + 1], when the caller has built it (ForwardBatch does);
+        otherwise ``flat_rows`` builds it on first use."""
         self.kv_rows = list(kv_rows)
+        self._flat = flat
+
+    def flat_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(int64 [L, sum N_i], indptr [B + 1]): every sequence's rows side by side."""
+        if self._flat is None:
+            indptr = np.zeros(len(self.kv_rows) + 1, dtype=np.int64)
+            np.cumsum([r.shape[1] for r in self.kv_rows], out=indptr[1:])
+            rows = np.concatenate(self.kv_rows, axis=1) if self.kv_rows else np.zeros((0, 0), dtype=np.int64)
+            self._flat = (rows, indptr)
+        return self._flat
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, layer: int,

@@ -81,4 +81,4 @@ class ModelRunner:
         fb = ForwardBatch(works, self.device, self.pool.store).build(self.cfg.n_layers)
         logits = self.model.forward_batch(fb, self.attn)
         ip = fb.logit_indptr
-        return [logits[ip[i]:ip[i + 1]] for i in range(len(works))]
+        return list(logits.split([ip[i + 1] - ip[i] for i in range(len(works))]))

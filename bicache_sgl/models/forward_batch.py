@@ -111,10 +111,15 @@ class Segment:
     join_into: torch.Tensor | None = None  # where the previous segment's rows land in this one
     join_new: torch.Tensor | None = None  # where the joining rows land
     join_h: torch.Tensor | None = None  # [n_join, D] their residual stream
+    rows_t: torch.Tensor | None = None  # ``rows`` on the device (long)
 
 
 @dataclass
 class ForwardBatch:
+    """The metadata of one packed forward, built once (``build``) with array operations over all
+    sequences at once: no per-sequence numpy or torch calls, so its cost does not grow with the
+    number of sequences by more than the arrays' lengths."""
+
     seqs: list[SeqWork]
     device: torch.device
     store: KVStore
@@ -123,65 +128,97 @@ class ForwardBatch:
     row_pos: torch.Tensor | None = None  # [T] position per full-layout row
     logit_rows: np.ndarray | None = None  # full-layout rows needing logits, in sequence order
     logit_indptr: list[int] = field(default_factory=list)
+    # the last segment's active rows whose logits are read (None: all of them, in order)
+    logit_sel: torch.Tensor | None = None
     # captures merged across sequences, one write per layer: layer -> (source active rows, store rows)
     capture_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # residual leaving layer l - 1, written at the start of layer l: l -> (source active rows, store rows)
     capture_h: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # every sequence's K/V rows side by side: int64 [L, sum N_i]; sequence i owns columns
+    # kv_indptr[i]:kv_indptr[i + 1] (its SeqKV.rows)
+    kv_flat: np.ndarray | None = None
+    kv_indptr: np.ndarray | None = None
     _offsets: list[int] = field(default_factory=list)
     _row_cache: dict = field(default_factory=dict)
 
     def build(self, n_layers: int) -> "ForwardBatch":
-        dev = self.device
-        offsets, ids, pos, skip_rows, depths = [0], [], [], [], []
-        logit_rows, logit_indptr = [], [0]
-        for s in self.seqs:
-            base = offsets[-1]
-            ids.append(s.input_ids.index_select(0, torch.from_numpy(s.positions).to(s.input_ids.device)))
-            pos.append(s.positions)
-            offsets.append(base + len(s.positions))
-            depths.append(s.depth)
-            skip_rows.append(np.arange(base + s.skip_from, base + s.skip_from + s.skip))
-            # positions -> rows: positions are sorted, so searchsorted maps exactly
-            idx = np.searchsorted(s.positions, s.logit_positions)
-            ok = idx < len(s.positions)
-            if not (ok.all() and np.all(s.positions[idx[ok]] == s.logit_positions)):
-                raise ValueError("a logit position is not among the computed positions")
-            lr = base + idx
-            assert s.skip == 0 or not np.any((idx >= s.skip_from) & (idx < s.skip_from + s.skip)), "logit row inside S"
-            logit_rows.append(lr)
-            logit_indptr.append(logit_indptr[-1] + len(lr))
-        self.row_ids = torch.cat(ids).to(dev) if ids else torch.empty(0, dtype=torch.long, device=dev)
-        all_pos = np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
+        dev, seqs = self.device, self.seqs
+        B = len(seqs)
+        lens = np.fromiter((len(s.positions) for s in seqs), dtype=np.int64, count=B)
+        offsets = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        T = int(offsets[-1])
+        self._offsets = offsets.tolist()
+        depth = np.fromiter((s.depth for s in seqs), dtype=np.int64, count=B)
+        skip_from = np.fromiter((s.skip_from for s in seqs), dtype=np.int64, count=B)
+        skip = np.fromiter((s.skip for s in seqs), dtype=np.int64, count=B)
+        all_pos = np.concatenate([s.positions for s in seqs]) if B else np.zeros(0, dtype=np.int64)
+        row_seq = np.repeat(np.arange(B), lens)  # [T] the sequence of each full-layout row
+        local = np.arange(T) - offsets[row_seq]  # [T] entry of the row in its sequence's positions
+        # every row's K/V columns in kv_flat: sequence i's position j is column kv_indptr[i] + j
+        n_pos = np.fromiter((s.kv.n_positions for s in seqs), dtype=np.int64, count=B)
+        self.kv_indptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n_pos, out=self.kv_indptr[1:])
+        if B == 1:
+            self.kv_flat = seqs[0].kv.rows  # read only: no copy for the lone sequence
+        else:
+            self.kv_flat = np.concatenate([s.kv.rows for s in seqs], axis=1) if B else np.zeros((n_layers, 0), np.int64)
+        col = self.kv_indptr[row_seq] + all_pos
+
+        # token ids: one gather from every sequence's ids side by side
+        if B == 0:
+            self.row_ids = torch.empty(0, dtype=torch.long, device=dev)
+        elif B == 1:
+            ids = seqs[0].input_ids
+            self.row_ids = ids.index_select(0, torch.from_numpy(all_pos).to(ids.device)).to(dev)
+        else:
+            ids = torch.cat([s.input_ids for s in seqs])
+            id_start = np.zeros(B, dtype=np.int64)
+            np.cumsum(np.fromiter((len(s.input_ids) for s in seqs[:-1]), dtype=np.int64, count=B - 1),
+                      out=id_start[1:])
+            at = torch.from_numpy(id_start[row_seq] + all_pos).to(ids.device)
+            self.row_ids = ids.index_select(0, at).to(dev)
         self.row_pos = torch.from_numpy(all_pos).to(dev)
-        self.logit_rows = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
-        self.logit_indptr = logit_indptr
-        T = offsets[-1]
-        self._offsets = offsets
-        starts = sorted({0} | {d for d in depths if d > 0 and d < n_layers})
+
+        # logit positions -> rows: rows are sorted by (sequence, position), so one searchsorted over
+        # the key sequence * stride + position maps every logit position exactly
+        lp = [s.logit_positions for s in seqs]
+        n_logit = np.fromiter((len(x) for x in lp), dtype=np.int64, count=B)
+        lp_all = np.concatenate(lp) if B else np.zeros(0, dtype=np.int64)
+        lp_seq = np.repeat(np.arange(B), n_logit)
+        stride = int(max(all_pos.max(initial=0), lp_all.max(initial=0))) + 1
+        keys = row_seq * stride + all_pos
+        want = lp_seq * stride + lp_all
+        idx = np.searchsorted(keys, want)
+        if np.any(lp_all < 0) or np.any(idx >= T) or not np.array_equal(keys[np.minimum(idx, T - 1)], want):
+            raise ValueError("a logit position is not among the computed positions")
+        in_s = (local >= skip_from[row_seq]) & (local < skip_from[row_seq] + skip[row_seq])  # [T] row is in S
+        assert not in_s[idx].any(), "logit row inside S"
+        self.logit_rows = idx
+        self.logit_indptr = [0, *np.cumsum(n_logit).tolist()]
+
+        # segments: a row of S is active from its sequence's depth on (depth 0 rows: always)
+        row_depth = np.where(in_s, depth[row_seq], 0)
+        starts = sorted({0} | {int(d) for d in depth if 0 < d < n_layers})
         prev_rows = None
         for si, start in enumerate(starts):
             end = starts[si + 1] if si + 1 < len(starts) else n_layers
-            inactive = np.zeros(T, dtype=bool)
-            for s_i, s in enumerate(self.seqs):
-                if s.depth > start:
-                    inactive[skip_rows[s_i]] = True
-            rows = np.nonzero(~inactive)[0]
-            q_indptr, write = [0], []
-            for s_i, s in enumerate(self.seqs):
-                lo, hi = np.searchsorted(rows, [offsets[s_i], offsets[s_i + 1]])
-                q_indptr.append(int(hi))
-                write.append(s.kv.rows[start:end][:, all_pos[rows[lo:hi]]])
-            write_rows = np.concatenate(write, axis=1) if write else np.zeros((end - start, 0), dtype=np.int64)
-            seg = Segment(start, end, rows, q_indptr, torch.from_numpy(np.ascontiguousarray(write_rows)).to(dev))
+            rows = np.flatnonzero(row_depth <= start)
+            q_indptr = [0, *np.searchsorted(rows, offsets[1:]).tolist()]
+            write_rows = np.ascontiguousarray(self.kv_flat[start:end][:, col[rows]])
+            seg = Segment(start, end, rows, q_indptr, torch.from_numpy(write_rows).to(dev),
+                          rows_t=torch.from_numpy(rows).to(dev))
             if prev_rows is not None:
                 seg.join_into = torch.from_numpy(np.searchsorted(rows, prev_rows)).to(dev)
-                joined = [i for i, s in enumerate(self.seqs) if s.depth == start]
-                new_rows = np.concatenate([skip_rows[i] for i in joined])
-                seg.join_new = torch.from_numpy(np.searchsorted(rows, new_rows)).to(dev)
-                resume = np.concatenate([self.seqs[i].resume_rows for i in joined])
+                seg.join_new = torch.from_numpy(np.searchsorted(rows, np.flatnonzero(row_depth == start))).to(dev)
+                resume = np.concatenate([s.resume_rows for s in seqs if s.depth == start])
                 seg.join_h = self.store.h.index_select(0, torch.from_numpy(resume).to(dev))
             self.segments.append(seg)
             prev_rows = rows
+        last = self.segments[-1].rows
+        sel = np.searchsorted(last, self.logit_rows)
+        if not (len(sel) == len(last) and np.array_equal(sel, np.arange(len(last)))):
+            self.logit_sel = torch.from_numpy(sel).to(dev)
         self._merge_captures(n_layers)
         return self
 

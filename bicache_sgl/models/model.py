@@ -7,7 +7,6 @@ shift, all captured by ModelConfig and models/weights.py.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,7 +47,9 @@ class DecoderLayer(nn.Module):
 
     def fuse(self) -> None:
         """One GEMM for q/k/v and one for gate/up (fewer kernel launches per layer). The separate
-        projections' weights become views into the fused tensors, so memory does not grow."""
+        projections' weights become views into the fused tensors, so memory does not grow and a
+        later in-place load into either stays visible to both. Done once, after loading: the
+        checkpoint format is unchanged."""
         if self._fused:
             return
         groups = (("qkv", (self.q_proj, self.k_proj, self.v_proj)), ("gate_up", (self.gate_proj, self.up_proj)))
@@ -64,16 +65,29 @@ class DecoderLayer(nn.Module):
                 off += n
             setattr(self, f"_{name}_w", w)
             setattr(self, f"_{name}_b", b)
+        # [in, out] views for addmm(residual, x, w_t): the residual add happens inside the GEMM
+        # (one op instead of linear + add); None where a bias must be added first
+        self._o_wt = self.o_proj.weight.data.t() if self.o_proj.bias is None else None
+        self._down_wt = self.down_proj.weight.data.t() if self.down_proj.bias is None else None
         self._fused = True
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """[n, D] -> [n, (H + 2 Hkv) * Dh]."""
         return F.linear(x, self._qkv_w, self._qkv_b)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        x = self.ffn_norm(h)
-        gate, up = F.linear(x, self._gate_up_w, self._gate_up_b).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def attn_residual(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """h [n, D] + o_proj(a [n, H * Dh])."""
+        if self._o_wt is None:
+            return h + self.o_proj(a)
+        return torch.addmm(h, a, self._o_wt)
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
+        """h [n, D] + SwiGLU MLP(ffn_norm(h)), with the fused gate/up GEMM."""
+        gate, up = F.linear(self.ffn_norm(h), self._gate_up_w, self._gate_up_b).chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        if self._down_wt is None:
+            return h + self.down_proj(act)
+        return torch.addmm(h, act, self._down_wt)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +108,8 @@ class DiffusionLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._fused = False
 
     # ---- helpers -------------------------------------------------------------------------------
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -103,35 +118,41 @@ class DiffusionLM(nn.Module):
         w = self.embed.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(x, w).float()
 
-    def rope_tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin [n_max, Dh], grown on demand."""
+    def rope_tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 tables [n_max, Dh], grown on demand: cos, sin, and the signed sin
+        ``[-sin[:, :Dh/2], sin[:, Dh/2:]]`` of the roll form (``rope_for``)."""
         if self._rope is None or self._rope[0].shape[0] < n or self._rope[0].device != device:
             n_max = max(n, 2 * (self._rope[0].shape[0] if self._rope is not None else 0), 256)
             hd = self.cfg.head_dim
             inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
             t = torch.arange(n_max, dtype=torch.float32, device=device)
             emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1)
-            self._rope = (emb.cos(), emb.sin())
+            cos, sin = emb.cos(), emb.sin()
+            self._rope = (cos, sin, torch.cat([-sin[:, :hd // 2], sin[:, hd // 2:]], dim=-1))
         return self._rope
 
     def rope_for(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [n, 1, Dh] for positions ``pos`` (once per forward segment), such
-        that rope(x) = x * cos + roll(x, Dh/2) * sin_signed == x * cos + rotate_half(x) * sin."""
-        cos_t, sin_t = self.rope_tables(int(pos.max()) + 1 if pos.numel() else 1, pos.device)
-        half = self.cfg.head_dim // 2
-        sin = sin_t.index_select(0, pos)
-        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        return cos_t.index_select(0, pos).unsqueeze(1), sin.unsqueeze(1)
+        that rope(x) = x * cos + roll(x, Dh/2) * sin_signed == x * cos + rotate_half(x) * sin
+        (the same products and sums, so the same rounding)."""
+        cos_t, _, sin_t = self.rope_tables(int(pos.max()) + 1 if pos.numel() else 1, pos.device)
+        return cos_t.index_select(0, pos).unsqueeze(1), sin_t.index_select(0, pos).unsqueeze(1)
 
     def apply_rope(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [n, heads, Dh] -> rotated x (computed in fp32, returned in x.dtype)."""
         cos, sin = rope
-        xf = x.float()
-        return (xf * cos + xf.roll(self.cfg.head_dim // 2, dims=-1) * sin).to(x.dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = xf * cos
+        out += xf.roll(self.cfg.head_dim // 2, dims=-1) * sin
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def fuse(self) -> "DiffusionLM":
-        for layer in self.layers:
-            layer.fuse()
+        """Fuse every layer's projections (``DecoderLayer.fuse``); idempotent, so the serving
+        forward may call it every time."""
+        if not self._fused:
+            for layer in self.layers:
+                layer.fuse()
+            self._fused = True
         return self
 
     def _qkv(self, layer: DecoderLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
@@ -183,49 +204,51 @@ class DiffusionLM(nn.Module):
         in sequence order (fb.logit_indptr). K/V are written to and read from ``fb.store``;
         captures go to prefix rows of the same store."""
         cfg, L, store = self.cfg, self.cfg.n_layers, fb.store
-        attn.begin_forward([s.kv.rows for s in fb.seqs])
+        self.fuse()
+        attn.begin_forward([s.kv.rows for s in fb.seqs], (fb.kv_flat, fb.kv_indptr))
         seg_iter = iter(fb.segments)
         seg = next(seg_iter)
         next_seg = next(seg_iter, None)
         # gathers are index_select / index_copy_ on flat indices throughout: on CPU they copy whole
         # rows, several times faster than advanced indexing
-        rows_t = torch.from_numpy(seg.rows).to(fb.device)
-        h = self.embed(fb.row_ids.index_select(0, rows_t))
-        self.fuse()
-        rope = self.rope_for(fb.row_pos.index_select(0, rows_t))
+        h = self.embed(fb.row_ids.index_select(0, seg.rows_t))
+        rope = self.rope_for(fb.row_pos.index_select(0, seg.rows_t))
+        kv_dtype = store.k.dtype
         for li, layer in enumerate(self.layers):
             if next_seg is not None and next_seg.start_layer == li:
                 new_h = torch.empty(len(next_seg.rows), cfg.hidden_size, dtype=h.dtype, device=h.device)
                 new_h.index_copy_(0, next_seg.join_into, h)
-                new_h.index_copy_(0, next_seg.join_new, next_seg.join_h.to(h.dtype))
+                new_h.index_copy_(0, next_seg.join_new, _as(next_seg.join_h, h.dtype))
                 h, seg = new_h, next_seg
                 next_seg = next(seg_iter, None)
-                rows_t = torch.from_numpy(seg.rows).to(fb.device)
-                rope = self.rope_for(fb.row_pos.index_select(0, rows_t))
+                rope = self.rope_for(fb.row_pos.index_select(0, seg.rows_t))
             if li in fb.capture_h:  # residual leaving layer li - 1 of captured positions
                 src, dst = fb.capture_h[li]
-                store.h.index_copy_(0, dst, h.index_select(0, src).to(store.h.dtype))
+                store.h.index_copy_(0, dst, _as(h.index_select(0, src), store.h.dtype))
             q, k, v = self._qkv(layer, h, rope)
             # one write per layer for every computed row of every sequence
             wr = seg.write_rows[li - seg.start_layer]
-            store.k.index_copy_(0, wr, k.to(store.k.dtype))
-            store.v.index_copy_(0, wr, v.to(store.v.dtype))
+            store.k.index_copy_(0, wr, _as(k, kv_dtype))
+            store.v.index_copy_(0, wr, _as(v, kv_dtype))
             if li in fb.capture_kv:
                 src, dst = fb.capture_kv[li]
-                store.k.index_copy_(0, dst, k.index_select(0, src).to(store.k.dtype))
-                store.v.index_copy_(0, dst, v.index_select(0, src).to(store.v.dtype))
+                store.k.index_copy_(0, dst, _as(k.index_select(0, src), kv_dtype))
+                store.v.index_copy_(0, dst, _as(v.index_select(0, src), kv_dtype))
             if li == L - 1:
                 # The last layer's outputs matter only where logits are read: every other row
                 # needed just its K/V (written above), so attention/MLP run on logit rows only.
                 if len(fb.logit_rows) == 0:
                     return torch.empty(0, cfg.vocab_size, device=fb.device)
-                sel = torch.from_numpy(np.searchsorted(seg.rows, fb.logit_rows)).to(fb.device)
-                q, h = q.index_select(0, sel), h.index_select(0, sel)
-                q_indptr = fb.logit_indptr
-                layout = ("logits",)
+                if fb.logit_sel is not None:
+                    q, h = q.index_select(0, fb.logit_sel), h.index_select(0, fb.logit_sel)
+                q_indptr, layout = fb.logit_indptr, ("logits",)
             else:
                 q_indptr, layout = seg.q_indptr, ("seg", seg.start_layer)
-            a_out = attn.attend(q, store.k, store.v, li, q_indptr, layout).reshape(q.shape[0], -1)
-            h = h + layer.o_proj(a_out)
-            h = h + layer.mlp(h)
+            a_out = attn.attend(q, store.k, store.v, li, q_indptr, layout)
+            h = layer.mlp_residual(layer.attn_residual(h, a_out.reshape(q.shape[0], -1)))
         return self.lm_logits(h)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without a dispatched no-op ``to`` when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
