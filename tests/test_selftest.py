@@ -78,8 +78,9 @@ class NeighbourLeakAttention(TorchAttention):
 
     name = "neighbour-leak"
 
-    def begin_forward(self, kv_rows):
+    def begin_forward(self, kv_rows, flat=None):
         rows = list(kv_rows)
+        # the caller's side-by-side rows describe the unleaked layout: dropped, rebuilt from these
         super().begin_forward([r if i == 0 else np.concatenate([r, rows[0]], axis=1) for i, r in enumerate(rows)])
 
 
