@@ -98,7 +98,7 @@ class _Store:
     a sequence resumes from), private rows the sequences' own K/V (as the engine lays them out)."""
 
     def __init__(self, cfg, n_private: int, n_prefix: int, dev):
-        from bicache_sgl.models.forward_batch import KVStore
+        from bicache_sgl.kv_cache.store import KVStore
         self.cfg, self.dev = cfg, dev
         self.store = KVStore.allocate(n_prefix + n_private, cfg.n_kv_heads, cfg.head_dim, torch.float32, dev,
                                       prefix_rows=n_prefix, hidden=cfg.hidden_size)
@@ -115,7 +115,7 @@ class _Store:
         return rows
 
     def seq(self, n_pos: int):
-        from bicache_sgl.models.forward_batch import SeqKV
+        from bicache_sgl.kv_cache.store import SeqKV
         L = self.cfg.n_layers
         rows = np.arange(self._private, self._private + L * n_pos)
         self._private += L * n_pos

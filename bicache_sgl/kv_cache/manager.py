@@ -42,8 +42,8 @@ from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_pref
 
 from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse
 from ..bicache.policy import DepthPolicy
-from ..models.forward_batch import Capture, SeqKV
 from .pool import KVPool
+from .store import Capture, SeqKV
 
 log = logging.getLogger(__name__)
 

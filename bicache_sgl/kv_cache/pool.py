@@ -31,9 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..models.config import ModelConfig
-from ..models.forward_batch import KVStore, SeqKV
 from .memory import layer_token_bytes
+from .store import KVShape, KVStore, SeqKV
 
 
 class SlotAllocator:
@@ -128,7 +127,7 @@ class KVPool:
     """Token slots (``tokens``), prefix rows (``rows``), request rows (``request_rows``), the slot ->
     row table, and the ``KVStore`` tensors behind all rows."""
 
-    def __init__(self, cfg: ModelConfig, token_capacity: int, row_capacity: int, request_row_capacity: int,
+    def __init__(self, cfg: KVShape, token_capacity: int, row_capacity: int, request_row_capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.n_layers = cfg.n_layers

@@ -53,8 +53,9 @@ from ..decoding import (
 )
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
+from ..kv_cache.store import Capture, SeqKV
 from ..models.config import ModelConfig
-from ..models.forward_batch import Capture, SeqKV, SeqWork
+from ..models.forward_batch import SeqWork
 from ..models.loader import GenerationDefaults, generation_defaults
 
 # Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no

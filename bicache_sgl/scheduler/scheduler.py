@@ -28,7 +28,8 @@ from ..io_struct import GenerateRequest
 if TYPE_CHECKING:
     from ..bicache.audit import DepthAudit
     from ..kv_cache.manager import CacheManager, NullCacheManager
-    from ..models.forward_batch import SeqKV, SeqWork
+    from ..kv_cache.store import SeqKV
+    from ..models.forward_batch import SeqWork
     from .request import Req, RequestFactory
 
 log = logging.getLogger(__name__)
