@@ -20,9 +20,9 @@ A running request never sees a node change under it: it reads the reused rows wh
 (its ``SeqKV`` points at them), its path stays locked (locked nodes are never trimmed or
 evicted), and upgrades only add rows.
 
-The index (``radix.PrefixIndex``) and the tensor pool (``PrefixPool``) stay separate; this class
-is the only code that touches both. :class:`NullCacheManager` has the same interface and caches
-nothing, so "cache off" is a constructor choice, not a branch elsewhere.
+The index (``radix.PrefixIndex``) and the tensor pool (``KVPool``) stay separate; this class
+is the only code that touches both. Cache off is the same class over ``radix.NullRadixTree`` (the
+one null object): nothing matches, nothing is reserved or stored (``enabled`` is False).
 
 Invariants (``check_integrity``): token slots held + free + in flight == token capacity; rows
 bound in the table + free + in flight == row capacity; every node's tokens have rows exactly for
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,10 +75,9 @@ class CacheGrant:
 class CacheManager:
     """Prefix index + pool under one depth policy (see module docstring)."""
 
-    enabled = True
-
     def __init__(self, index: PrefixIndex, pool: KVPool, policy: DepthPolicy) -> None:
         self.index, self.pool, self.policy = index, pool, policy
+        self.enabled = index.caches  # False: cache off (the null index)
         self.in_flight_tokens = 0  # token slots of captures not yet committed or released
         self.in_flight_rows = 0
         self.num_lookups = self.num_hits = 0
@@ -135,7 +135,8 @@ class CacheManager:
         ranges = plan.store
         n_rows = sum((e - s) * (hi - lo) for s, e, lo, hi in ranges)
         n_new = prompt_len - matched
-        tokens_needed = n_new if n_new > 0 else 0
+        # the null index holds no token, so cache off reserves nothing
+        tokens_needed = n_new if n_new > 0 and self.enabled else 0
         if (n_rows == 0 and tokens_needed == 0) or not self._make_room(n_rows, tokens_needed):
             return
         new_slots = self.pool.tokens.alloc(tokens_needed) if tokens_needed else _NO_SLOTS
@@ -238,21 +239,16 @@ class CacheManager:
         """Halve the depth of cold unlocked nodes, least recently used first, until ``need`` rows
         are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
         freed = 0
-        while freed < need:
-            progress = False
-            for node in self.index.lru_nodes():
-                if node.depth <= MIN_TRIM_DEPTH:
-                    continue
+        # one pass halves each cold node once, the next pass again (the index's trim order)
+        with closing(self.index.trim_candidates(MIN_TRIM_DEPTH)) as nodes:
+            for node in nodes:
                 new = max(MIN_TRIM_DEPTH, node.depth // 2)
                 n = self.pool.drop_layers(node.value, new)
                 self.index.set_depth(node, new)
                 freed += n
                 self.trimmed_layer_tokens += n
-                progress = True
                 if freed >= need:
                     return
-            if not progress:
-                return
 
     def flush(self) -> int:
         """Evict everything not locked by a running request. Returns tokens freed."""
@@ -292,8 +288,9 @@ class CacheManager:
         }
 
     def check_integrity(self) -> None:
-        self.index.check_integrity()
+        """Recompute the index's and the pool's invariants (module docstring); slow, for tests."""
         pool = self.pool
+        self.index.check_integrity(pool.held_depth)
         held = np.asarray(self.index.all_values(), dtype=np.int64)
         free = pool.tokens.free_set()
         assert len(np.unique(held)) == len(held), "a token slot is held twice by the index"
@@ -307,8 +304,6 @@ class CacheManager:
         rows_total = bound + pool.rows.num_free + self.in_flight_rows
         assert rows_total == pool.row_capacity, f"row leak: bound {bound} + free {pool.rows.num_free} + in-flight " \
                                                 f"{self.in_flight_rows} != {pool.row_capacity}"
-        for node in self.index.lru_nodes():
-            assert pool.held_depth(node.value) == node.depth, f"{node!r}: table holds {pool.held_depth(node.value)}"
         assert np.array_equal(pool.table >= 0, pool.ctx >= 0), "a bound row without a capture context (or back)"
         ids, counts = np.unique(pool.ctx[pool.ctx >= 0], return_counts=True)
         refs = pool.contexts.refs()
@@ -317,49 +312,7 @@ class CacheManager:
         assert len(pool.contexts) == len(ids), "a capture context is kept that no row refers to"
 
 
-class NullCacheManager:
-    """Caching off: the same interface, nothing matched, nothing stored."""
-
-    enabled = False
-
-    def __init__(self, pool: KVPool, policy: DepthPolicy) -> None:
-        self.pool, self.policy = pool, policy
-        self.index = NullRadixTree()
-
-    def peek(self, prompt: Sequence[int]) -> int:
-        return 0
-
-    def admit(self, prompt: Sequence[int], facts: RequestFacts) -> CacheGrant:
-        return CacheGrant()
-
-    def share(self, grant: CacheGrant, kv: SeqKV | None) -> None:
-        pass
-
-    def commit(self, prompt: Sequence[int], grant: CacheGrant, capture_len: int) -> None:
-        grant.capture = None
-
-    def release(self, grant: CacheGrant) -> None:
-        grant.capture = grant.handle = grant.resume_rows = None
-
-    def flush(self) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        zero = ("capacity_tokens", "capacity_layer_tokens", "used_tokens", "stored_layer_tokens", "stored_bytes",
-                "evictable_tokens", "protected_tokens", "free_tokens", "free_layer_tokens", "in_flight_tokens",
-                "in_flight_layer_tokens", "max_depth", "bytes_per_layer_token", "bytes", "upgrades_total",
-                "trimmed_layer_tokens_total")
-        return {"prefix_cache_policy": self.policy.describe(), **{f"prefix_cache_{k}": 0 for k in zero},
-                "prefix_cache_depth_histogram": {}, "cache_lookups": 0, "cache_hit_rate": 0.0,
-                "cache_token_hit_rate": 0.0, "evicted_tokens": 0}
-
-    def check_integrity(self) -> None:
-        self.index.check_integrity()
-
-
-def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager | NullCacheManager:
-    """The cache for ``policy``: none at all for ``off``, else a radix index over ``pool``'s prefix
-    rows."""
-    if not policy.uses_cache:
-        return NullCacheManager(pool, policy)
-    return CacheManager(RadixTree(), pool, policy)
+def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager:
+    """The cache for ``policy``: a radix index over ``pool``'s prefix rows, or the null index
+    (caching nothing) for ``off``."""
+    return CacheManager(RadixTree() if policy.uses_cache else NullRadixTree(), pool, policy)
