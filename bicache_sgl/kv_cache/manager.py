@@ -145,6 +145,7 @@ class CacheManager:
         self.in_flight_rows += n_rows
         layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
         by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
+        per_layer: list[tuple[int, np.ndarray]] = []
         for layer in range(self.pool.n_layers):
             active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= layer < hi)
             if not active:
@@ -152,10 +153,17 @@ class CacheManager:
             if active not in by_set:
                 by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
                                                  for j in active])
-            pos_l = by_set[active]
-            rows = self.pool.rows.alloc(len(pos_l))
-            grant.pending.append((slots[pos_l], layer, rows))
-            layers[layer] = (pos_l, self.pool.to_device(rows))
+            per_layer.append((layer, by_set[active]))
+        # one allocation and one device copy for all layers (the same rows as one alloc per layer,
+        # in order); each layer's rows are a slice of them
+        all_rows = self.pool.rows.alloc(n_rows)
+        dev_rows = self.pool.to_device(all_rows)
+        off = 0
+        for layer, pos_l in per_layer:
+            n = len(pos_l)
+            grant.pending.append((slots[pos_l], layer, all_rows[off:off + n]))
+            layers[layer] = (pos_l, dev_rows[off:off + n])
+            off += n
         grant.new_slots = new_slots
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
@@ -229,26 +237,47 @@ class CacheManager:
             return False
         if pool.rows.num_free < rows:
             self._trim(rows - pool.rows.num_free)
-        while (pool.rows.num_free < rows or pool.tokens.num_free < tokens) and self.index.evictable_size() > 0:
+        # evict leaf by leaf, counting what each frees, and give it all back to the pool at once
+        free_rows, free_tokens, gone = pool.rows.num_free, pool.tokens.num_free, []
+        while (free_rows < rows or free_tokens < tokens) and self.index.evictable_size() > 0:
             for arr in self.index.evict(1):
-                pool.free_tokens(arr)
-                self.evicted_tokens += len(arr)
+                gone.append(arr)
+                free_tokens += len(arr)
+                free_rows += int(np.count_nonzero(pool.table[arr] >= 0))
+        if gone:
+            slots = np.concatenate(gone)
+            pool.free_tokens(slots)
+            self.evicted_tokens += len(slots)
         return pool.rows.num_free >= rows and pool.tokens.num_free >= tokens
 
     def _trim(self, need: int) -> None:
         """Halve the depth of cold unlocked nodes, least recently used first, until ``need`` rows
         are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
         freed = 0
-        # one pass halves each cold node once, the next pass again (the index's trim order)
+        slots: list[np.ndarray] = []
+        keep: list[np.ndarray] = []
+        # one pass halves each cold node once, the next pass again (the index's trim order). An
+        # unlocked node's tokens hold rows exactly for layers < its depth (check_integrity), so
+        # what a halving frees is known before the rows are dropped, all at once, after the walk.
         with closing(self.index.trim_candidates(MIN_TRIM_DEPTH)) as nodes:
             for node in nodes:
                 new = max(MIN_TRIM_DEPTH, node.depth // 2)
-                n = self.pool.drop_layers(node.value, new)
+                freed += len(node.value) * (node.depth - new)
                 self.index.set_depth(node, new)
-                freed += n
-                self.trimmed_layer_tokens += n
+                slots.append(node.value)
+                keep.append(np.full(len(node.value), new, dtype=np.int64))
                 if freed >= need:
-                    return
+                    break
+        if slots:
+            # a node halved twice appears twice; its later (lower) depth is what it keeps
+            self.trimmed_layer_tokens += self._drop_min(np.concatenate(slots), np.concatenate(keep))
+
+    def _drop_min(self, slots: np.ndarray, keep: np.ndarray) -> int:
+        """``drop_layers`` for slots listed more than once: each keeps its lowest depth."""
+        order = np.lexsort((keep, slots))
+        s, k = slots[order], keep[order]
+        first = np.concatenate([[True], s[1:] != s[:-1]])
+        return self.pool.drop_layers(s[first], k[first])
 
     def flush(self) -> int:
         """Evict everything not locked by a running request. Returns tokens freed."""

@@ -64,10 +64,11 @@ class KVStore:
 @dataclass
 class SeqKV:
     """Where one sequence's K/V live: ``rows[l, j]`` is the store row of layer l, position j.
-    ``owned`` are the private rows allocated for it (freed with it); reused prefix rows are not."""
+    ``owned`` are the private rows allocated for it (freed with it): from the pool, ``[L, N]`` with
+    -1 where the sequence reads a reused prefix row instead (any shape: its entries >= 0 are freed)."""
 
     rows: np.ndarray  # int64 [L, N]
-    owned: np.ndarray  # int64
+    owned: np.ndarray  # int64 [L, N] (pool) or [L * N]; -1: not owned
 
     @property
     def n_positions(self) -> int:
