@@ -180,7 +180,8 @@ class CacheManager:
         self.in_flight_tokens -= len(new_slots)
         if pending:
             slots = np.concatenate([sl for sl, _, _ in pending])
-            layers = np.concatenate([np.full(len(sl), layer, dtype=np.int64) for sl, layer, _ in pending])
+            layers = np.repeat(np.array([layer for _, layer, _ in pending], dtype=np.int64),
+                               [len(sl) for sl, _, _ in pending])
             rows = np.concatenate([r for _, _, r in pending])
             self.in_flight_rows -= len(rows)
             ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
