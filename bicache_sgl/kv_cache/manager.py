@@ -122,8 +122,8 @@ class CacheManager:
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
         """The match per token and layer: which rows exist, their capture contexts, and how much
         each context shares with ``prompt``."""
-        table, ctx = self.pool.table[slots], self.pool.ctx[slots]
-        held = table >= 0
+        ctx = self.pool.ctx[slots]
+        held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
         ids = contexts_in(ctx)
         me = np.asarray(prompt, dtype=np.int64)
         contexts = self.pool.contexts
@@ -256,7 +256,7 @@ class CacheManager:
         are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
         freed = 0
         slots: list[np.ndarray] = []
-        keep: list[np.ndarray] = []
+        keep: list[int] = []  # the depth each trimmed node keeps
         # one pass halves each cold node once, the next pass again (the index's trim order). An
         # unlocked node's tokens hold rows exactly for layers < its depth (check_integrity), so
         # what a halving frees is known before the rows are dropped, all at once, after the walk.
@@ -266,12 +266,13 @@ class CacheManager:
                 freed += len(node.value) * (node.depth - new)
                 self.index.set_depth(node, new)
                 slots.append(node.value)
-                keep.append(np.full(len(node.value), new, dtype=np.int64))
+                keep.append(new)
                 if freed >= need:
                     break
         if slots:
             # a node halved twice appears twice; its later (lower) depth is what it keeps
-            self.trimmed_layer_tokens += self._drop_min(np.concatenate(slots), np.concatenate(keep))
+            keep_per_slot = np.repeat(np.asarray(keep, dtype=np.int64), [len(v) for v in slots])
+            self.trimmed_layer_tokens += self._drop_min(np.concatenate(slots), keep_per_slot)
 
     def _drop_min(self, slots: np.ndarray, keep: np.ndarray) -> int:
         """``drop_layers`` for slots listed more than once: each keeps its lowest depth."""
