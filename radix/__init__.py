@@ -3,7 +3,8 @@
 Pure bookkeeping (no torch): node values are int64 slot arrays into a prefix pool owned by the
 engine. ``PrefixIndex`` (radix/index.py) is what the cache manager calls; ``RadixTree``
 (radix/tree.py) is the cache, ``NullRadixTree`` the same interface caching nothing. Value types
-and argument checks: radix/node.py; the full invariant check and dump: radix/integrity.py.
+and argument checks: radix/node.py; the eviction and trim heaps: radix/lru.py; the full invariant
+check and dump: radix/integrity.py.
 See docs/radix.md.
 """
 

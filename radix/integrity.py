@@ -1,23 +1,31 @@
-"""Full recomputation of a ``RadixTree``'s invariants, and its debugging dump. Slow on purpose
-(a walk of every node): tests and the cache manager's ``check_integrity`` call it, the serving
-path never does."""
+"""Full recomputation of a ``RadixTree``'s invariants, and its debugging dump (a mixin of
+``RadixTree``). Slow on purpose (a walk of every node): tests and the cache manager's
+``check_integrity`` call it, the serving path never does."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from radix.node import TreeNode
 
-if TYPE_CHECKING:
-    from radix.tree import RadixTree
+
+class TreeChecks:
+    """``check_integrity`` and ``pretty`` over the tree's state (set up by ``RadixTree``)."""
+
+    def check_integrity(self, held_depth: Callable[[np.ndarray], int] | None = None) -> None:
+        """Recompute everything from scratch; raise ``AssertionError`` naming a broken invariant.
+        ``held_depth(slots)``, when given, must equal every unlocked node's depth."""
+        _check_tree(self, held_depth)
+
+    def pretty(self) -> str:
+        """Indented dump: one line per node with tokens, slots, depth, lock count, LRU time."""
+        return _pretty_tree(self)
 
 
-def check_tree(tree: RadixTree, held_depth: Callable[[np.ndarray], int] | None = None) -> None:
-    """Recompute everything from scratch; raise ``AssertionError`` naming a broken invariant.
-    ``held_depth(slots)``, when given, must equal every unlocked node's depth."""
+def _check_tree(tree: Any, held_depth: Callable[[np.ndarray], int] | None) -> None:
     root = tree._root
     assert root.alive and root.parent is None, "root: must be alive and parentless"
     assert len(root.key) == 0 and len(root.value) == 0, "root: must hold no tokens"
@@ -90,8 +98,7 @@ def check_tree(tree: RadixTree, held_depth: Callable[[np.ndarray], int] | None =
                 f"trim heap: unlocked node {node!r} has no live entry"
 
 
-def pretty_tree(tree: RadixTree) -> str:
-    """Indented dump: one line per node with tokens, slots, depth, lock count, LRU time."""
+def _pretty_tree(tree: Any) -> str:
     lines = [f"RadixTree(tokens={tree.total_size()}, evictable={tree.evictable_size()}, "
              f"protected={tree.protected_size()}, layer_tokens={tree.total_layer_tokens()})"]
 

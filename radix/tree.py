@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from radix.index import PrefixIndex
-from radix.integrity import check_tree, pretty_tree
+from radix.integrity import TreeChecks
+from radix.lru import LruHeaps
 from radix.node import (
     EMPTY_SLOTS,
     InsertResult,
@@ -44,11 +45,8 @@ from radix.node import (
     common_len_at,
 )
 
-# heap entry: (last_access, serial, push order, node); the push order keeps nodes uncompared
-_Entry = tuple[int, int, int, TreeNode]
 
-
-class RadixTree(PrefixIndex):
+class RadixTree(LruHeaps, TreeChecks, PrefixIndex):
     """SGLang-style radix tree over token ids with per-node prefix-state depth."""
 
     def __init__(self) -> None:
@@ -65,10 +63,10 @@ class RadixTree(PrefixIndex):
         # Lazy min-heap of evictable leaves. An entry is live iff the node is still an evictable
         # leaf and its last_access equals the entry's; stale entries are skipped on pop and purged
         # when they outnumber the nodes.
-        self._heap: list[_Entry] = []
+        self._heap: list[tuple[int, int, int, TreeNode]] = []
         # Lazy min-heap of unlocked nodes for trims: an entry is live iff node.cold_t equals its
         # time (one live entry per node). Complete for nodes deeper than _cold_floor.
-        self._cold: list[_Entry] = []
+        self._cold: list[tuple[int, int, int, TreeNode]] = []
         self._cold_floor = 0
 
     # ------------------------------------------------------------------ queries
@@ -246,37 +244,6 @@ class RadixTree(PrefixIndex):
         if raised:
             self._cold_push(handle)  # may now be deeper than the trim floor (no-op when locked)
 
-    def trim_candidates(self, min_depth: int) -> Iterator[TreeNode]:
-        """Unlocked nodes deeper than ``min_depth``, least recently used first (ties: creation
-        order), in passes (see :class:`PrefixIndex`). Nodes at or below ``min_depth`` leave the
-        trim heap as they are met, so a cache trimmed down to the floor costs nothing to ask."""
-        min_depth = check_depth(min_depth)
-        if min_depth < self._cold_floor:
-            self._rebuild_cold()
-        self._cold_floor = max(self._cold_floor, min_depth)
-        deferred: list[TreeNode] = []
-        try:
-            while True:
-                while self._cold:
-                    t, _, _, node = heapq.heappop(self._cold)
-                    if not node.alive or node.cold_t != t:
-                        continue  # stale
-                    node.cold_t = -1
-                    if node.lock_ref > 0 or node.depth <= min_depth:
-                        continue  # unlock / set_depth push it again
-                    deferred.append(node)
-                    yield node
-                if not deferred:
-                    return
-                again, deferred = deferred, []
-                for node in again:
-                    self._cold_push(node)
-                if not self._cold:
-                    return
-        finally:
-            for node in deferred:
-                self._cold_push(node)
-
     # ------------------------------------------------------------------ sizes
 
     def path(self, handle: NodeHandle) -> list[TreeNode]:
@@ -330,13 +297,6 @@ class RadixTree(PrefixIndex):
 
     # ------------------------------------------------------------------ debugging
 
-    def check_integrity(self, held_depth: Callable[[np.ndarray], int] | None = None) -> None:
-        check_tree(self, held_depth)
-
-    def pretty(self) -> str:
-        """Indented dump: one line per node with tokens, slots, depth, lock count, LRU time."""
-        return pretty_tree(self)
-
     def __repr__(self) -> str:
         return (f"RadixTree(nodes={self._num_nodes}, tokens={self.total_size()}, "
                 f"protected={self._protected})")
@@ -362,40 +322,6 @@ class RadixTree(PrefixIndex):
         node.last_access = now
         self._maybe_push(node)
         self._cold_push(node)
-
-    def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        return (node.alive and node is not self._root and not node.children
-                and node.lock_ref == 0)
-
-    def _maybe_push(self, node: TreeNode) -> None:
-        """Give ``node`` an eviction-heap entry at its current time if it is an evictable leaf."""
-        if not self._is_evictable_leaf(node):
-            return
-        heapq.heappush(self._heap, (node.last_access, node.serial, next(self._push_seq), node))
-        # Stale entries pile up with every touch; rebuild once they dominate so the heap stays
-        # O(nodes) and each pop stays O(log nodes).
-        if len(self._heap) > 2 * self._num_nodes + 64:
-            self._heap = [(n.last_access, n.serial, next(self._push_seq), n)
-                          for n in self.iter_nodes() if self._is_evictable_leaf(n)]
-            heapq.heapify(self._heap)
-
-    def _cold_push(self, node: TreeNode) -> None:
-        """Give an unlocked ``node`` its one live trim-heap entry at its current time."""
-        if node.lock_ref > 0 or node is self._root or node.cold_t == node.last_access:
-            return
-        node.cold_t = node.last_access
-        heapq.heappush(self._cold, (node.last_access, node.serial, next(self._push_seq), node))
-        if len(self._cold) > 2 * self._num_nodes + 64:
-            self._rebuild_cold()
-
-    def _rebuild_cold(self) -> None:
-        self._cold = []
-        for n in self.iter_nodes():
-            n.cold_t = -1 if n.lock_ref else n.last_access
-            if not n.lock_ref:
-                self._cold.append((n.last_access, n.serial, next(self._push_seq), n))
-        heapq.heapify(self._cold)
-        self._cold_floor = 0
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after its first ``m`` tokens; return the new upper node.
