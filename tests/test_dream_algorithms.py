@@ -26,8 +26,9 @@ from bicache_sgl.decoding import (
 )
 from bicache_sgl.decoding.plan import DecodePlan
 from bicache_sgl.io_struct import GenerateRequest
+from bicache_sgl.kv_cache.store import KVStore
 from bicache_sgl.models.config import CheckpointError
-from bicache_sgl.models.forward_batch import ForwardBatch, KVStore
+from bicache_sgl.models.forward_batch import ForwardBatch
 from bicache_sgl.models.loader import (
     GenerationDefaults,
     generation_defaults,

@@ -12,7 +12,8 @@ from bicache_sgl.config import DecodeDefaults
 from bicache_sgl.decoding import num_transfer_schedule, select_transfer
 from bicache_sgl.decoding.plan import DecodePlan
 from bicache_sgl.io_struct import GenerateRequest
-from bicache_sgl.models.forward_batch import ForwardBatch, KVStore, SeqWork
+from bicache_sgl.kv_cache.store import KVStore
+from bicache_sgl.models.forward_batch import ForwardBatch, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
 from bicache_sgl.scheduler.request import Req
 

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bicache_sgl.attention import create_backend
+from bicache_sgl.kv_cache.store import KVStore
 from bicache_sgl.models.config import CheckpointError
-from bicache_sgl.models.forward_batch import ForwardBatch, KVStore, SeqWork
+from bicache_sgl.models.forward_batch import ForwardBatch, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
 from bicache_sgl.reference import load_reference_model, reference_logits
 

@@ -18,7 +18,7 @@ def freed_set(arrays: list[np.ndarray]) -> list[int]:
 
 def node_lens(tree: RadixTree) -> list[list[int]]:
     """Token ids of every node, sorted (shape of the tree, independent of dict order)."""
-    return sorted(n.key.tolist() for n in tree._iter_nodes())
+    return sorted(n.key.tolist() for n in tree.iter_nodes())
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_segments_and_depth_at(tree: RadixTree) -> None:
     tree.insert([1, 2, 3], slots(0, 1, 2), depth=8)
     tree.insert([1, 2, 3, 4, 5], slots(10, 11, 12, 3, 4), depth=8)
     h = tree.match_prefix([1, 2, 3, 4, 5]).handle
-    tree.trim_depth(h, 3)
+    tree.set_depth(h, 3)
     tree.insert([1, 2, 3, 4, 5, 6, 7], slots(20, 21, 22, 23, 24, 5, 6), depth=2)
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
     assert isinstance(m, MatchResult)
@@ -218,60 +218,68 @@ def test_depth_at_takes_minimum_not_last() -> None:
     assert m.depth_at(6) == 1
 
 
-def test_depth_upgrade_returns_old_slots(tree: RadixTree) -> None:
+def test_insert_never_upgrades_set_depth_does(tree: RadixTree) -> None:
+    """One way to upgrade a node: an insert over a shallower node keeps its slots and depth (the
+    caller's differing slots come back), set_depth raises it."""
     tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=2)
     r = tree.insert([1, 2, 3, 4, 5], slots(10, 11, 12, 13, 14), depth=6)
     assert r.prefix_len == 4
-    assert r.taken.all()
-    assert freed_set(r.to_free) == [0, 1, 2, 3]
+    assert r.taken.tolist() == [False, False, False, False, True]
+    assert freed_set(r.to_free) == [10, 11, 12, 13]
     m = tree.match_prefix([1, 2, 3, 4, 5])
-    assert m.values.tolist() == [10, 11, 12, 13, 14]
-    assert m.segments[-1] == (5, 6) and m.depth_at(5) == 6
+    assert m.values.tolist() == [0, 1, 2, 3, 14]
+    assert m.segments == ((4, 2), (5, 6))
+    tree.set_depth(tree.match_prefix([1, 2, 3, 4]).handle, 6)
+    assert tree.match_prefix([1, 2, 3, 4, 5]).segments == ((4, 6), (5, 6))
     assert tree.total_layer_tokens() == 5 * 6
+    assert tree.depth_histogram() == {6: 5}
     tree.check_integrity()
 
 
-def test_depth_upgrade_partial_node_only_upgrades_overlap(tree: RadixTree) -> None:
+def test_set_depth_of_a_split_part_only_changes_that_part(tree: RadixTree) -> None:
     tree.insert([1, 2, 3, 4], slots(0, 1, 2, 3), depth=2)
     r = tree.insert([1, 2, 9], slots(10, 11, 12), depth=5)
-    assert freed_set(r.to_free) == [0, 1]
+    assert freed_set(r.to_free) == [10, 11]
+    tree.set_depth(tree.match_prefix([1, 2]).handle, 5)
     m = tree.match_prefix([1, 2, 3, 4])
-    assert m.values.tolist() == [10, 11, 2, 3]
+    assert m.values.tolist() == [0, 1, 2, 3]
     assert m.segments == ((2, 5), (4, 2))
     assert tree.total_layer_tokens() == 2 * 5 + 2 * 2 + 1 * 5
+    assert tree.depth_histogram() == {2: 2, 5: 3}
     tree.check_integrity()
 
 
 def test_depth_upgrade_of_locked_node_allowed(tree: RadixTree) -> None:
     h = tree.insert([1, 2], slots(0, 1), depth=1).handle
     tree.lock(h)
-    r = tree.insert([1, 2], slots(5, 6), depth=4)
-    assert freed_set(r.to_free) == [0, 1]
-    assert r.handle is h and h.depth == 4
+    tree.set_depth(h, 4)
+    assert h.depth == 4 and tree.total_layer_tokens() == 8
     assert tree.protected_size() == 2
     tree.unlock(h)
     tree.check_integrity()
 
 
-def test_in_place_depth_upgrade_frees_nothing(tree: RadixTree) -> None:
+def test_insert_of_held_slots_frees_nothing_and_keeps_depth(tree: RadixTree) -> None:
     tree.insert([1, 2, 3], slots(0, 1, 2), depth=2)
     r = tree.insert([1, 2, 3], slots(0, 1, 2), depth=5)
     assert r.taken.all() and r.to_free == []
-    assert tree.match_prefix([1, 2, 3]).segments == ((3, 5),)
+    assert tree.match_prefix([1, 2, 3]).segments == ((3, 2),)
 
 
-def test_trim_depth(tree: RadixTree) -> None:
+def test_set_depth_lowers_and_raises(tree: RadixTree) -> None:
     h = tree.insert([1, 2, 3], slots(0, 1, 2), depth=6).handle
-    tree.trim_depth(h, 2)
+    tree.set_depth(h, 2)
     assert tree.total_layer_tokens() == 6
     assert tree.match_prefix([1, 2, 3]).depth_at(3) == 2
-    tree.trim_depth(h, 0)
+    tree.set_depth(h, 0)
     assert tree.total_layer_tokens() == 0
     assert tree.total_size() == 3  # slots still held
     with pytest.raises(ValueError):
-        tree.trim_depth(h, -1)
-    with pytest.raises(ValueError):
-        tree.trim_depth(h, 1)  # growing is insert's job
+        tree.set_depth(h, -1)
+    with pytest.raises(TypeError):
+        tree.set_depth(h, 1.5)  # type: ignore[arg-type]
+    tree.set_depth(h, 3)
+    assert tree.total_layer_tokens() == 9 and tree.depth_histogram() == {3: 3}
     tree.check_integrity()
 
 
@@ -280,13 +288,59 @@ def test_trim_locked_node_raises(tree: RadixTree) -> None:
     parent = tree.match_prefix([1]).handle
     tree.lock(h)
     with pytest.raises(RuntimeError):
-        tree.trim_depth(h, 2)
+        tree.set_depth(h, 2)
     with pytest.raises(RuntimeError):  # locked through its descendant
-        tree.trim_depth(parent, 2)
+        tree.set_depth(parent, 2)
     assert tree.total_layer_tokens() == 18
     tree.unlock(h)
-    tree.trim_depth(h, 2)
+    tree.set_depth(h, 2)
     assert h.depth == 2
+
+
+def test_trim_candidates_lru_order_in_passes(tree: RadixTree) -> None:
+    """Unlocked nodes deeper than the floor, coldest first; a node left deep comes again in the
+    next pass, after every other; locked and shallow nodes never come."""
+    a = tree.insert([1], slots(0), depth=8).handle
+    b = tree.insert([2], slots(1), depth=8).handle
+    c = tree.insert([3], slots(2), depth=1).handle  # at the floor
+    d = tree.insert([4], slots(3), depth=8).handle
+    tree.lock(d)
+    seen = []
+    for node in tree.trim_candidates(1):
+        seen.append(node)
+        tree.set_depth(node, max(1, node.depth // 2))
+    assert seen == [a, b, a, b, a, b]  # 8 -> 4 -> 2 -> 1, one halving per pass
+    assert (a.depth, b.depth, c.depth, d.depth) == (1, 1, 1, 8)
+    assert list(tree.trim_candidates(1)) == []
+    tree.unlock(d)
+    tree.set_depth(a, 4)  # raised again: a candidate again
+    tree.match_prefix([1])  # a is now the most recent
+    from contextlib import closing
+    from itertools import islice
+    with closing(tree.trim_candidates(1)) as it:
+        assert list(islice(it, 4)) == [d, a, d, a]  # left deep: every pass again
+    tree.check_integrity()
+
+
+def test_trim_candidates_stopped_early_keeps_every_candidate(tree: RadixTree) -> None:
+    from contextlib import closing
+    nodes = [tree.insert([i], slots(i), depth=4).handle for i in range(5)]
+    with closing(tree.trim_candidates(1)) as it:
+        first = next(it)
+        tree.set_depth(first, 2)
+    assert first is nodes[0]
+    tree.check_integrity()  # the trim heap still has a live entry for every candidate
+    order = []
+    with closing(tree.trim_candidates(1)) as it:
+        for node in it:
+            order.append(node)
+            if len(order) == 5:
+                break
+    assert order == nodes  # LRU order (ties: creation order), the stopped one included
+    from itertools import islice
+    with closing(tree.trim_candidates(0)) as it:  # a lower floor rebuilds the heap
+        assert list(islice(it, 5)) == nodes
+    tree.check_integrity()
 
 
 # ---------------------------------------------------------------- locks
@@ -366,7 +420,7 @@ def test_dead_and_foreign_handles_rejected(tree: RadixTree) -> None:
     with pytest.raises(ValueError):
         tree.lock(other)
     with pytest.raises(ValueError):
-        tree.trim_depth(other, 0)
+        tree.set_depth(other, 0)
 
 
 # ---------------------------------------------------------------- eviction
@@ -514,14 +568,13 @@ def test_null_tree() -> None:
     assert m.length == 0 and m.values.size == 0 and m.segments == () and m.depth_at(0) == 0
     t.lock(m.handle)
     t.unlock(m.handle)
-    t.trim_depth(m.handle, 0)
+    t.set_depth(m.handle, 0)
+    assert list(t.trim_candidates(1)) == [] and t.caches is False and RadixTree().caches
     assert t.evict(100) == []
-    assert t.reset() == []
     assert (t.evictable_size(), t.protected_size(), t.total_size(),
             t.total_layer_tokens()) == (0, 0, 0, 0)
     assert t.all_values().size == 0
     t.check_integrity()
-    assert "Null" in t.pretty()
     with pytest.raises(ValueError):
         t.insert([1, 2], slots(1), depth=1)
     with pytest.raises(ValueError):

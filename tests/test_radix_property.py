@@ -102,12 +102,7 @@ class RadixMachine(RuleBasedStateMachine):
                 exp_taken.append(True)
                 continue
             prefix_len = i + 1
-            if ent[1] < depth:  # depth upgrade: tree takes the caller's slot
-                if ent[0] != v:
-                    exp_free.append(ent[0])
-                ent[0], ent[1] = v, depth
-                exp_taken.append(True)
-            elif ent[0] == v:
+            if ent[0] == v:  # cached tokens keep slot and depth (set_depth is the one upgrade)
                 exp_taken.append(True)
             else:
                 exp_free.append(v)
@@ -220,16 +215,49 @@ class RadixMachine(RuleBasedStateMachine):
         p, h = self.handles[live[pick % len(live)]]
         cur = self.ref[p][1]
         new = int(cur * frac)
-        if self.locks_below(p) > 0:
+        if self.locks_below(p) > 0 and new < cur:
             try:
-                self.tree.trim_depth(h, new)
+                self.tree.set_depth(h, new)
             except RuntimeError:
                 return
             raise AssertionError("trim of a locked node did not raise")
         _, start = handle_end(self.tree, h)
-        self.tree.trim_depth(h, new)
+        self.tree.set_depth(h, new)
         for i in range(start + 1, len(p) + 1):
             self.ref[p[:i]][1] = new
+
+    @precondition(lambda self: self.live_handles())
+    @rule(pick=st.integers(0, 10**6), extra=st.integers(0, 3))
+    def upgrade(self, pick: int, extra: int) -> None:
+        """Raising a node's depth is allowed, locked or not."""
+        live = self.live_handles()
+        p, h = self.handles[live[pick % len(live)]]
+        new = self.ref[p][1] + extra
+        _, start = handle_end(self.tree, h)
+        self.tree.set_depth(h, new)
+        for i in range(start + 1, len(p) + 1):
+            self.ref[p[:i]][1] = new
+
+    @rule(floor=st.integers(0, 3), steps=st.integers(0, 12))
+    def trim_pass(self, floor: int, steps: int) -> None:
+        """trim_candidates: unlocked nodes deeper than the floor, coldest first, in passes."""
+        from contextlib import closing
+        locked = self.locked_keys()
+        eligible = [n for n in self.tree.iter_nodes() if n.lock_ref == 0 and n.depth > floor]
+        coldest = min(eligible, key=lambda n: (n.last_access, n.serial), default=None)
+        with closing(self.tree.trim_candidates(floor)) as it:
+            for k, node in enumerate(it):
+                if k >= steps:
+                    break
+                toks, start = handle_end(self.tree, node)
+                assert toks not in locked and node.depth > floor
+                assert k > 0 or node is coldest, "the first candidate is not the coldest"
+                new = max(floor, node.depth // 2)
+                self.tree.set_depth(node, new)
+                for i in range(start + 1, len(toks) + 1):
+                    self.ref[toks[:i]][1] = new
+            else:  # ran out: nothing unlocked is left deeper than the floor
+                assert all(n.depth <= floor for n in self.tree.iter_nodes() if n.lock_ref == 0)
 
     @rule()
     def reset(self) -> None:

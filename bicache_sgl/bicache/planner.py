@@ -115,13 +115,19 @@ def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple
     if m == 0:
         return np.zeros(0, dtype=np.int64), {}
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
-    # the depth each row's context allows (0 where there is no row); a match has a few contexts,
-    # so one comparison per context over [m, L] beats a lookup per row
-    lim = np.zeros((m, L), dtype=np.int16)
+    # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
+    # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
+    ctx, held = match.ctx, match.held
+    change = np.flatnonzero((ctx[1:] != ctx[:-1]).any(axis=1) | (held[1:] != held[:-1]).any(axis=1)) + 1
+    starts = np.concatenate([[0], change])
+    ctx_r, held_r = ctx[starts], held[starts]
+    # the depth each row's context allows (0 where there is no row)
+    lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
-        lim[match.ctx == c] = policy.target_depth(r)
-    ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & match.held
-    return np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64), r_of
+        lim[ctx_r == c] = policy.target_depth(r)
+    ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & held_r
+    per_run = np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64)
+    return np.repeat(per_run, np.diff(np.concatenate([starts, [m]]))), r_of
 
 
 def contexts_in(ctx: np.ndarray) -> list[int]:

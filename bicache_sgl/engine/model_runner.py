@@ -13,8 +13,9 @@ import torch
 from ..attention import create_backend
 from ..config import EngineConfig
 from ..kv_cache.pool import KVPool
+from ..kv_cache.store import SeqKV
 from ..models.config import ModelConfig
-from ..models.forward_batch import ForwardBatch, SeqKV, SeqWork
+from ..models.forward_batch import ForwardBatch, SeqWork
 from ..models.loader import load_model, load_tokenizer, resolve_model_path
 from ..models.model import DiffusionLM
 

@@ -19,7 +19,7 @@ from ..bicache.audit import DepthAudit
 from ..bicache.policy import DepthPolicy, make_policy
 from ..config import EngineConfig
 from ..io_struct import GenerateRequest, RequestEvent
-from ..kv_cache.manager import CacheManager, NullCacheManager, make_cache_manager
+from ..kv_cache.manager import CacheManager, make_cache_manager
 from ..kv_cache.memory import GiB, MemoryPlan, plan_memory
 from ..kv_cache.pool import KVPool
 from ..scheduler.request import Req, RequestFactory
@@ -46,7 +46,7 @@ class Stack:
     loaded: LoadedModel
     memory: MemoryPlan
     pool: KVPool
-    cache: CacheManager | NullCacheManager
+    cache: CacheManager
     runner: ModelRunner
     requests: RequestFactory
     scheduler: Scheduler

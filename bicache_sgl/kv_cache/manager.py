@@ -20,9 +20,9 @@ A running request never sees a node change under it: it reads the reused rows wh
 (its ``SeqKV`` points at them), its path stays locked (locked nodes are never trimmed or
 evicted), and upgrades only add rows.
 
-The index (``radix.PrefixIndex``) and the tensor pool (``PrefixPool``) stay separate; this class
-is the only code that touches both. :class:`NullCacheManager` has the same interface and caches
-nothing, so "cache off" is a constructor choice, not a branch elsewhere.
+The index (``radix.PrefixIndex``) and the tensor pool (``KVPool``) stay separate; this class
+is the only code that touches both. Cache off is the same class over ``radix.NullRadixTree`` (the
+one null object): nothing matches, nothing is reserved or stored (``enabled`` is False).
 
 Invariants (``check_integrity``): token slots held + free + in flight == token capacity; rows
 bound in the table + free + in flight == row capacity; every node's tokens have rows exactly for
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,8 +43,8 @@ from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_pref
 
 from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse
 from ..bicache.policy import DepthPolicy
-from ..models.forward_batch import Capture, SeqKV
 from .pool import KVPool
+from .store import Capture, SeqKV
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,9 @@ class CacheGrant:
 class CacheManager:
     """Prefix index + pool under one depth policy (see module docstring)."""
 
-    enabled = True
-
     def __init__(self, index: PrefixIndex, pool: KVPool, policy: DepthPolicy) -> None:
         self.index, self.pool, self.policy = index, pool, policy
+        self.enabled = index.caches  # False: cache off (the null index)
         self.in_flight_tokens = 0  # token slots of captures not yet committed or released
         self.in_flight_rows = 0
         self.num_lookups = self.num_hits = 0
@@ -122,8 +122,8 @@ class CacheManager:
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
         """The match per token and layer: which rows exist, their capture contexts, and how much
         each context shares with ``prompt``."""
-        table, ctx = self.pool.table[slots], self.pool.ctx[slots]
-        held = table >= 0
+        ctx = self.pool.ctx[slots]
+        held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
         ids = contexts_in(ctx)
         me = np.asarray(prompt, dtype=np.int64)
         contexts = self.pool.contexts
@@ -135,7 +135,8 @@ class CacheManager:
         ranges = plan.store
         n_rows = sum((e - s) * (hi - lo) for s, e, lo, hi in ranges)
         n_new = prompt_len - matched
-        tokens_needed = n_new if n_new > 0 else 0
+        # the null index holds no token, so cache off reserves nothing
+        tokens_needed = n_new if n_new > 0 and self.enabled else 0
         if (n_rows == 0 and tokens_needed == 0) or not self._make_room(n_rows, tokens_needed):
             return
         new_slots = self.pool.tokens.alloc(tokens_needed) if tokens_needed else _NO_SLOTS
@@ -144,6 +145,7 @@ class CacheManager:
         self.in_flight_rows += n_rows
         layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
         by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
+        per_layer: list[tuple[int, np.ndarray]] = []
         for layer in range(self.pool.n_layers):
             active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= layer < hi)
             if not active:
@@ -151,10 +153,17 @@ class CacheManager:
             if active not in by_set:
                 by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
                                                  for j in active])
-            pos_l = by_set[active]
-            rows = self.pool.rows.alloc(len(pos_l))
-            grant.pending.append((slots[pos_l], layer, rows))
-            layers[layer] = (pos_l, self.pool.to_device(rows))
+            per_layer.append((layer, by_set[active]))
+        # one allocation and one device copy for all layers (the same rows as one alloc per layer,
+        # in order); each layer's rows are a slice of them
+        all_rows = self.pool.rows.alloc(n_rows)
+        dev_rows = self.pool.to_device(all_rows)
+        off = 0
+        for layer, pos_l in per_layer:
+            n = len(pos_l)
+            grant.pending.append((slots[pos_l], layer, all_rows[off:off + n]))
+            layers[layer] = (pos_l, dev_rows[off:off + n])
+            off += n
         grant.new_slots = new_slots
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
@@ -171,7 +180,8 @@ class CacheManager:
         self.in_flight_tokens -= len(new_slots)
         if pending:
             slots = np.concatenate([sl for sl, _, _ in pending])
-            layers = np.concatenate([np.full(len(sl), layer, dtype=np.int64) for sl, layer, _ in pending])
+            layers = np.repeat(np.array([layer for _, layer, _ in pending], dtype=np.int64),
+                               [len(sl) for sl, _, _ in pending])
             rows = np.concatenate([r for _, _, r in pending])
             self.in_flight_rows -= len(rows)
             ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
@@ -228,31 +238,48 @@ class CacheManager:
             return False
         if pool.rows.num_free < rows:
             self._trim(rows - pool.rows.num_free)
-        while (pool.rows.num_free < rows or pool.tokens.num_free < tokens) and self.index.evictable_size() > 0:
+        # evict leaf by leaf, counting what each frees, and give it all back to the pool at once
+        free_rows, free_tokens, gone = pool.rows.num_free, pool.tokens.num_free, []
+        while (free_rows < rows or free_tokens < tokens) and self.index.evictable_size() > 0:
             for arr in self.index.evict(1):
-                pool.free_tokens(arr)
-                self.evicted_tokens += len(arr)
+                gone.append(arr)
+                free_tokens += len(arr)
+                free_rows += int(np.count_nonzero(pool.table[arr] >= 0))
+        if gone:
+            slots = np.concatenate(gone)
+            pool.free_tokens(slots)
+            self.evicted_tokens += len(slots)
         return pool.rows.num_free >= rows and pool.tokens.num_free >= tokens
 
     def _trim(self, need: int) -> None:
         """Halve the depth of cold unlocked nodes, least recently used first, until ``need`` rows
         are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
         freed = 0
-        while freed < need:
-            progress = False
-            for node in self.index.lru_nodes():
-                if node.depth <= MIN_TRIM_DEPTH:
-                    continue
+        slots: list[np.ndarray] = []
+        keep: list[int] = []  # the depth each trimmed node keeps
+        # one pass halves each cold node once, the next pass again (the index's trim order). An
+        # unlocked node's tokens hold rows exactly for layers < its depth (check_integrity), so
+        # what a halving frees is known before the rows are dropped, all at once, after the walk.
+        with closing(self.index.trim_candidates(MIN_TRIM_DEPTH)) as nodes:
+            for node in nodes:
                 new = max(MIN_TRIM_DEPTH, node.depth // 2)
-                n = self.pool.drop_layers(node.value, new)
+                freed += len(node.value) * (node.depth - new)
                 self.index.set_depth(node, new)
-                freed += n
-                self.trimmed_layer_tokens += n
-                progress = True
+                slots.append(node.value)
+                keep.append(new)
                 if freed >= need:
-                    return
-            if not progress:
-                return
+                    break
+        if slots:
+            # a node halved twice appears twice; its later (lower) depth is what it keeps
+            keep_per_slot = np.repeat(np.asarray(keep, dtype=np.int64), [len(v) for v in slots])
+            self.trimmed_layer_tokens += self._drop_min(np.concatenate(slots), keep_per_slot)
+
+    def _drop_min(self, slots: np.ndarray, keep: np.ndarray) -> int:
+        """``drop_layers`` for slots listed more than once: each keeps its lowest depth."""
+        order = np.lexsort((keep, slots))
+        s, k = slots[order], keep[order]
+        first = np.concatenate([[True], s[1:] != s[:-1]])
+        return self.pool.drop_layers(s[first], k[first])
 
     def flush(self) -> int:
         """Evict everything not locked by a running request. Returns tokens freed."""
@@ -292,8 +319,9 @@ class CacheManager:
         }
 
     def check_integrity(self) -> None:
-        self.index.check_integrity()
+        """Recompute the index's and the pool's invariants (module docstring); slow, for tests."""
         pool = self.pool
+        self.index.check_integrity(pool.held_depth)
         held = np.asarray(self.index.all_values(), dtype=np.int64)
         free = pool.tokens.free_set()
         assert len(np.unique(held)) == len(held), "a token slot is held twice by the index"
@@ -307,8 +335,6 @@ class CacheManager:
         rows_total = bound + pool.rows.num_free + self.in_flight_rows
         assert rows_total == pool.row_capacity, f"row leak: bound {bound} + free {pool.rows.num_free} + in-flight " \
                                                 f"{self.in_flight_rows} != {pool.row_capacity}"
-        for node in self.index.lru_nodes():
-            assert pool.held_depth(node.value) == node.depth, f"{node!r}: table holds {pool.held_depth(node.value)}"
         assert np.array_equal(pool.table >= 0, pool.ctx >= 0), "a bound row without a capture context (or back)"
         ids, counts = np.unique(pool.ctx[pool.ctx >= 0], return_counts=True)
         refs = pool.contexts.refs()
@@ -317,49 +343,7 @@ class CacheManager:
         assert len(pool.contexts) == len(ids), "a capture context is kept that no row refers to"
 
 
-class NullCacheManager:
-    """Caching off: the same interface, nothing matched, nothing stored."""
-
-    enabled = False
-
-    def __init__(self, pool: KVPool, policy: DepthPolicy) -> None:
-        self.pool, self.policy = pool, policy
-        self.index = NullRadixTree()
-
-    def peek(self, prompt: Sequence[int]) -> int:
-        return 0
-
-    def admit(self, prompt: Sequence[int], facts: RequestFacts) -> CacheGrant:
-        return CacheGrant()
-
-    def share(self, grant: CacheGrant, kv: SeqKV | None) -> None:
-        pass
-
-    def commit(self, prompt: Sequence[int], grant: CacheGrant, capture_len: int) -> None:
-        grant.capture = None
-
-    def release(self, grant: CacheGrant) -> None:
-        grant.capture = grant.handle = grant.resume_rows = None
-
-    def flush(self) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        zero = ("capacity_tokens", "capacity_layer_tokens", "used_tokens", "stored_layer_tokens", "stored_bytes",
-                "evictable_tokens", "protected_tokens", "free_tokens", "free_layer_tokens", "in_flight_tokens",
-                "in_flight_layer_tokens", "max_depth", "bytes_per_layer_token", "bytes", "upgrades_total",
-                "trimmed_layer_tokens_total")
-        return {"prefix_cache_policy": self.policy.describe(), **{f"prefix_cache_{k}": 0 for k in zero},
-                "prefix_cache_depth_histogram": {}, "cache_lookups": 0, "cache_hit_rate": 0.0,
-                "cache_token_hit_rate": 0.0, "evicted_tokens": 0}
-
-    def check_integrity(self) -> None:
-        self.index.check_integrity()
-
-
-def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager | NullCacheManager:
-    """The cache for ``policy``: none at all for ``off``, else a radix index over ``pool``'s prefix
-    rows."""
-    if not policy.uses_cache:
-        return NullCacheManager(pool, policy)
-    return CacheManager(RadixTree(), pool, policy)
+def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager:
+    """The cache for ``policy``: a radix index over ``pool``'s prefix rows, or the null index
+    (caching nothing) for ``off``."""
+    return CacheManager(RadixTree() if policy.uses_cache else NullRadixTree(), pool, policy)

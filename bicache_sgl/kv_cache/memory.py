@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.config import ModelConfig
+from .store import KVShape
 
 GiB = 1 << 30
 CUDA_POOL_FRACTION = 0.3
@@ -37,18 +37,18 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def layer_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def layer_token_bytes(cfg: KVShape, dtype: torch.dtype) -> int:
     """Prefix pool bytes per cached token per layer held: K, V and the residual leaving the layer
     (see kv_cache/pool.py for the layout)."""
     return (2 * cfg.kv_dim + cfg.hidden_size) * itemsize(dtype)
 
 
-def prefix_bytes_per_token(cfg: ModelConfig, depth: int, dtype: torch.dtype) -> int:
+def prefix_bytes_per_token(cfg: KVShape, depth: int, dtype: torch.dtype) -> int:
     """Prefix pool bytes per cached token whose node holds ``depth`` layers."""
     return depth * layer_token_bytes(cfg, dtype)
 
 
-def request_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def request_kv_bytes_per_token(cfg: KVShape, dtype: torch.dtype) -> int:
     """Private K/V bytes per sequence position, all layers."""
     return cfg.n_layers * 2 * cfg.kv_dim * itemsize(dtype)
 
@@ -84,7 +84,7 @@ class MemoryPlan:
                 f"({self.request_bytes * mib:.1f} MiB, {self.request_bytes_per_token} B/token)")
 
 
-def plan_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_depth: int, *,
+def plan_memory(cfg: KVShape, dtype: torch.dtype, device: torch.device, max_depth: int, *,
                 max_prefix_cache_tokens: int | None = None, max_total_tokens: int | None = None,
                 mem_fraction_static: float | None = None, free_bytes: int | None = None,
                 max_positions: int | None = None) -> MemoryPlan:

@@ -31,9 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..models.config import ModelConfig
-from ..models.forward_batch import KVStore, SeqKV
 from .memory import layer_token_bytes
+from .store import KVShape, KVStore, SeqKV
 
 
 class SlotAllocator:
@@ -128,7 +127,7 @@ class KVPool:
     """Token slots (``tokens``), prefix rows (``rows``), request rows (``request_rows``), the slot ->
     row table, and the ``KVStore`` tensors behind all rows."""
 
-    def __init__(self, cfg: ModelConfig, token_capacity: int, row_capacity: int, request_row_capacity: int,
+    def __init__(self, cfg: KVShape, token_capacity: int, row_capacity: int, request_row_capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.n_layers = cfg.n_layers
@@ -147,10 +146,12 @@ class KVPool:
         rows = self.request_rows.alloc(self.n_layers * n_positions)
         if rows is None:
             return None
-        return SeqKV(rows.reshape(self.n_layers, n_positions).copy(), rows)  # rows changes; owned does not
+        grid = rows.reshape(self.n_layers, n_positions)
+        return SeqKV(grid.copy(), grid)  # rows changes; owned only loses entries (-1)
 
     def free_seq(self, kv: SeqKV) -> None:
-        self.request_rows.free(kv.owned)
+        owned = kv.owned
+        self.request_rows.free(owned[owned >= 0])
         kv.owned = np.zeros(0, dtype=np.int64)
 
     def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int, start: int = 0) -> None:
@@ -158,10 +159,11 @@ class KVPool:
         (read in place; the caller keeps the node locked) and give back the private rows they
         replace."""
         end = start + len(slots)
-        replaced = kv.rows[:depth, start:end].ravel().copy()
+        block = kv.owned[:depth, start:end]  # [depth, n] view of the private rows given back
+        replaced = block[block >= 0]
         kv.rows[:depth, start:end] = self.rows_of(slots, depth)
         self.request_rows.free(replaced)
-        kv.owned = np.setdiff1d(kv.owned, replaced, assume_unique=True)
+        block[...] = -1  # O(reused rows), no set difference over the whole sequence
 
     @property
     def token_capacity(self) -> int:
@@ -202,23 +204,40 @@ class KVPool:
         """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``, captured in
         context ``ctx`` (from ``contexts.new``); returns the rows NOT bound because the slot
         already had that layer (a concurrent upgrade won): the caller frees them."""
-        new = self.table[slots, layers] < 0
-        self.table[slots[new], layers[new]] = rows[new]
-        self.ctx[slots[new], layers[new]] = ctx
-        self.contexts.ref(ctx, int(new.sum()))
-        return rows[~new]
+        flat = slots * self.n_layers + layers  # row-major [token, layer] tables: one flat index
+        table, ctxs = self.table.reshape(-1), self.ctx.reshape(-1)
+        new = np.take(table, flat) < 0
+        if not new.all():
+            flat, rows_new, lost = flat[new], rows[new], rows[~new]
+        else:
+            rows_new, lost = rows, rows[:0]
+        table[flat] = rows_new
+        ctxs[flat] = ctx
+        self.contexts.ref(ctx, len(rows_new))
+        return lost
 
-    def drop_layers(self, slots: np.ndarray, from_layer: int) -> int:
-        """Free the rows of layers >= ``from_layer`` of ``slots``; returns rows freed."""
-        part = self.table[slots, from_layer:]
-        have = part >= 0
+    def drop_layers(self, slots: np.ndarray, from_layer: int | np.ndarray) -> int:
+        """Free the rows of layers >= ``from_layer`` of ``slots`` (one layer for all, or one per
+        slot: a batch of trims in one call); returns rows freed."""
+        if np.ndim(from_layer) == 0:
+            cut = np.s_[slots, int(from_layer):]
+            part = self.table[cut]
+            have = part >= 0
+        else:  # [n, L] mask of the layers each slot loses
+            cut = np.s_[slots]
+            part = self.table[slots]
+            have = (part >= 0) & (np.arange(self.n_layers)[None, :] >= np.asarray(from_layer)[:, None])
         rows = part[have]
-        self.contexts.unref(self.ctx[slots, from_layer:][have])
-        self.ctx[slots, from_layer:] = -1
+        if rows.size == 0:
+            return 0
+        ctx = self.ctx[cut]
+        self.contexts.unref(ctx[have])
+        ctx[have] = -1
+        part[have] = -1
+        self.ctx[cut], self.table[cut] = ctx, part
         # sorted: the free list hands them out again as ascending runs, so a layer's rows for a
         # later node are contiguous (gathers read runs of memory, not every L-th row)
         self.rows.free(np.sort(rows))
-        self.table[slots, from_layer:] = -1
         return int(rows.size)
 
     def free_tokens(self, slots: np.ndarray) -> int:

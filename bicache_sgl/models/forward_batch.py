@@ -25,63 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
-@dataclass
-class KVStore:
-    """Rows of K/V shared by every sequence and the prefix pool; ``h`` holds the residual leaving
-    the layer for prefix-pool rows (rows ``[0, len(h))``). k, v: [R, Hkv, Dh]; h: [R_prefix, D]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    h: torch.Tensor
-
-    @classmethod
-    def allocate(cls, n_rows: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 prefix_rows: int = 0, hidden: int = 0) -> "KVStore":
-        # Uninitialised on purpose: a row is always written by a forward before any attention reads it.
-        k = torch.empty((n_rows, n_kv_heads, head_dim), dtype=dtype, device=device)
-        return cls(k, torch.empty_like(k), torch.empty((prefix_rows, hidden), dtype=dtype, device=device))
-
-    @classmethod
-    def for_sequences(cls, cfg, lengths: list[int], dtype: torch.dtype,
-                      device: torch.device) -> tuple["KVStore", list["SeqKV"]]:
-        """A store holding exactly the private K/V of sequences of ``lengths`` (tests, tools)."""
-        store = cls.allocate(cfg.n_layers * sum(lengths), cfg.n_kv_heads, cfg.head_dim, dtype, device)
-        kvs, base = [], 0
-        for n in lengths:
-            rows = np.arange(base, base + cfg.n_layers * n, dtype=np.int64)
-            kvs.append(SeqKV(rows.reshape(cfg.n_layers, n).copy(), rows))
-            base += cfg.n_layers * n
-        return store, kvs
-
-    @property
-    def bytes_per_row(self) -> int:
-        return 2 * self.k[0].numel() * self.k.element_size()
-
-
-@dataclass
-class SeqKV:
-    """Where one sequence's K/V live: ``rows[l, j]`` is the store row of layer l, position j.
-    ``owned`` are the private rows allocated for it (freed with it); reused prefix rows are not."""
-
-    rows: np.ndarray  # int64 [L, N]
-    owned: np.ndarray  # int64
-
-    @property
-    def n_positions(self) -> int:
-        return int(self.rows.shape[1])
-
-
-@dataclass
-class Capture:
-    """Write this sequence's prefix state into prefix-pool rows while it runs.
-
-    ``layers[l] = (positions, rows)``: the K/V of layer l at ``positions`` go to pool rows
-    ``rows`` (long, on the pool's device), and so does the residual leaving layer l (entering
-    l + 1; never for the last layer). Every position must be computed by the sequence at layer l
-    (a reused S position only from the sequence's depth on)."""
-
-    layers: dict[int, tuple[np.ndarray, torch.Tensor]]
+from ..kv_cache.store import Capture, KVStore, SeqKV
 
 
 @dataclass

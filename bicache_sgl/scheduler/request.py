@@ -31,8 +31,9 @@ from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
+from ..kv_cache.store import Capture, SeqKV
 from ..models.config import ModelConfig
-from ..models.forward_batch import Capture, SeqKV, SeqWork
+from ..models.forward_batch import SeqWork
 from .structured import StructuredOutput
 from .validate import RequestLimits, ValidRequest, kv_lengths, validate_request
 

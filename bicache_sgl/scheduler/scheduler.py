@@ -27,8 +27,9 @@ from ..io_struct import GenerateRequest
 
 if TYPE_CHECKING:
     from ..bicache.audit import DepthAudit
-    from ..kv_cache.manager import CacheManager, NullCacheManager
-    from ..models.forward_batch import SeqKV, SeqWork
+    from ..kv_cache.manager import CacheManager
+    from ..kv_cache.store import SeqKV
+    from ..models.forward_batch import SeqWork
     from .request import Req, RequestFactory
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class Scheduler:
     ``alloc_shadow`` gives an audit shadow's buffer outside it (None when there is no room).
     Not thread-safe: the engine drives it from its one step thread."""
 
-    def __init__(self, admission: Admission, cache: CacheManager | NullCacheManager, requests: RequestFactory,
+    def __init__(self, admission: Admission, cache: CacheManager, requests: RequestFactory,
                  alloc: Callable[[int], SeqKV], free: Callable[[SeqKV], None],
                  alloc_shadow: Callable[[int], SeqKV | None], n_layers: int, *, audit: DepthAudit | None = None,
                  cache_output: bool = False, context_length: int = 0) -> None:

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from ..attention import AttentionBackend
+from ..kv_cache.store import KVStore, SeqKV
 from ..models.config import ModelConfig
-from ..models.forward_batch import ForwardBatch, KVStore, SeqKV, SeqWork
+from ..models.forward_batch import ForwardBatch, SeqWork
 from ..models.loader import load_model
 from ..models.model import DiffusionLM
 from ..reference import RefState, load_reference_model, reference_depth_forward, reference_states

@@ -1,0 +1,96 @@
+"""The LRU orders of a ``RadixTree``: the lazy eviction heap of evictable leaves and the lazy trim
+heap of unlocked nodes, so neither eviction nor a trim scans the tree (a mixin of ``RadixTree``).
+
+Heap entries are ``(last_access, serial, push order, node)``: the push order keeps nodes from
+being compared. An eviction entry is live iff its node is still an evictable leaf with that
+``last_access``; a trim entry is live iff ``node.cold_t`` equals its time (one live entry per node).
+Stale entries are skipped on pop and purged when they outnumber the nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from radix.node import TreeNode, check_depth
+
+
+class LruHeaps:
+    """Eviction and trim heaps over the tree's nodes (state set up by ``RadixTree.__init__``)."""
+
+    _root: TreeNode
+    _num_nodes: int
+    _push_seq: itertools.count
+    _heap: list[tuple[int, int, int, TreeNode]]
+    _cold: list[tuple[int, int, int, TreeNode]]
+    _cold_floor: int  # the trim heap is complete for unlocked nodes deeper than this
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        raise NotImplementedError
+
+    def trim_candidates(self, min_depth: int) -> Iterator[TreeNode]:
+        """Unlocked nodes deeper than ``min_depth``, least recently used first (ties: creation
+        order), in passes (see ``PrefixIndex``). Nodes at or below ``min_depth`` leave the
+        trim heap as they are met, so a cache trimmed down to the floor costs nothing to ask."""
+        min_depth = check_depth(min_depth)
+        if min_depth < self._cold_floor:
+            self._rebuild_cold()
+        self._cold_floor = max(self._cold_floor, min_depth)
+        deferred: list[TreeNode] = []
+        try:
+            while True:
+                while self._cold:
+                    t, _, _, node = heapq.heappop(self._cold)
+                    if not node.alive or node.cold_t != t:
+                        continue  # stale
+                    node.cold_t = -1
+                    if node.lock_ref > 0 or node.depth <= min_depth:
+                        continue  # unlock / set_depth push it again
+                    deferred.append(node)
+                    yield node
+                if not deferred:
+                    return
+                again, deferred = deferred, []
+                for node in again:
+                    self._cold_push(node)
+                if not self._cold:
+                    return
+        finally:
+            for node in deferred:
+                self._cold_push(node)
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return (node.alive and node is not self._root and not node.children
+                and node.lock_ref == 0)
+
+    def _maybe_push(self, node: TreeNode) -> None:
+        """Give ``node`` an eviction-heap entry at its current time if it is an evictable leaf."""
+        if not self._is_evictable_leaf(node):
+            return
+        heapq.heappush(self._heap, (node.last_access, node.serial, next(self._push_seq), node))
+        # Stale entries pile up with every touch; rebuild once they dominate so the heap stays
+        # O(nodes) and each pop stays O(log nodes).
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._heap = [(n.last_access, n.serial, next(self._push_seq), n)
+                          for n in self.iter_nodes() if self._is_evictable_leaf(n)]
+            heapq.heapify(self._heap)
+
+    def _cold_push(self, node: TreeNode) -> None:
+        """Give an unlocked ``node`` its one live trim-heap entry at its current time."""
+        if node.lock_ref > 0 or node is self._root or node.cold_t == node.last_access:
+            return
+        node.cold_t = node.last_access
+        heapq.heappush(self._cold, (node.last_access, node.serial, next(self._push_seq), node))
+        if len(self._cold) > 2 * self._num_nodes + 64:
+            self._rebuild_cold()
+
+    def _rebuild_cold(self) -> None:
+        self._cold = []
+        for n in self.iter_nodes():
+            n.cold_t = -1 if n.lock_ref else n.last_access
+            if not n.lock_ref:
+                self._cold.append((n.last_access, n.serial, next(self._push_seq), n))
+        heapq.heapify(self._cold)
+        self._cold_floor = 0
+
