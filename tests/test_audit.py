@@ -10,7 +10,7 @@ import torch
 from bicache_sgl import Engine
 from bicache_sgl.bicache.audit import DepthAudit, compare
 from bicache_sgl.bicache.profile import BicacheProfile
-from bicache_sgl.testing_planted import expected_answer, make_planted_llada
+from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 
 K, L = 2, 6
 G = 8

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from bicache_sgl import Engine
 from bicache_sgl.bicache.profile import BicacheProfile
-from bicache_sgl.testing_planted import expected_answer, make_planted_llada
+from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 
 P = {"max_new_tokens": 32, "temperature": 0, "cache_mode": "dual", "threshold": 0.9}
 
@@ -88,7 +88,7 @@ def test_prompt_captured_beside_a_longer_generation_is_not_reused_at_full_depth(
 
 
 # ------------------------------------------------------------------------ the property test
-# The planted model (bicache_sgl/testing_planted.py, safe depth K) answers the digit its prompt holds,
+# The planted model (bicache_sgl/testing/planted.py, safe depth K) answers the digit its prompt holds,
 # read through position 0's state: reuse at depth <= K is exact whatever the capture context, and
 # deeper reuse answers the digit of the context that captured position 0. With prompts
 # SYSTEM + "Question {digit}: " + tail, a capture context shares the digit iff their common prefix

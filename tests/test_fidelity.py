@@ -1,6 +1,6 @@
 """Fidelity evidence (issue 12, sections 1 and 4).
 
-1. A planted model (bicache_sgl.testing_planted) whose safe prefix-reuse depth is K by
+1. A planted model (bicache_sgl.testing.planted) whose safe prefix-reuse depth is K by
    construction: its prefix state is context-free up to layer K and context-dependent after it, and
    its answer reads that dependence. Through the real Engine, reuse deeper than K (``naive``,
    ``fixed:N`` with N > K) changes the answer, reuse at depth <= K (``fixed:N``, ``bicache`` with a
@@ -30,7 +30,7 @@ import torch
 from bicache_sgl import Engine
 from bicache_sgl.selftest.depth_forward import DEFAULT_CASES, PrefixRowStore, compare_depth_forward
 from bicache_sgl.testing import make_tiny_llada
-from bicache_sgl.testing_planted import make_planted_llada
+from bicache_sgl.testing.planted import make_planted_llada
 
 K = 2  # the planted model's safe depth
 L_PLANTED = 6

@@ -16,7 +16,7 @@ from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile
 from bicache_sgl.calibration import auto, profile_cache, synth
 from bicache_sgl.config import DEFAULT_PROBATION, EngineConfig
 from bicache_sgl.models.loader import default_model_path
-from bicache_sgl.testing_planted import expected_answer, make_planted_llada
+from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 from bicache_sgl.training import task
 
 K = 2  # the planted model's safe depth

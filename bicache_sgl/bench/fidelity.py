@@ -1,6 +1,6 @@
 """The fidelity table (issue 12.3): what prefix reuse does to a model's outputs, per mode and r.
 
-For each model (the bundled one, the planted one of ``bicache_sgl.testing_planted``, the trained
+For each model (the bundled one, the planted one of ``bicache_sgl.testing.planted``, the trained
 context-dependent one, or any ``--model NAME=PATH:KIND``) and each prefix fraction r, a set of
 few-shot items (families of questions sharing one prefix) runs through ``bicache_sgl.Engine`` once per
 prefix-cache mode (``off``, ``naive``, ``bicache``, ``fixed:k``), each with a fresh engine: each
@@ -278,7 +278,7 @@ def plot(rows: list[dict], path: str, metric: str = "acc") -> None:
 # ------------------------------------------------------------------------------------------- CLI
 def planted_spec(folder: str, k: int = 2, n_layers: int = 6, calibrate: bool = True, threads: int = 1) -> ModelSpec:
     """The planted model, with a profile calibrated by ``python -m bicache_sgl.calibrate`` (agreement)."""
-    from ..testing_planted import make_planted_llada
+    from ..testing.planted import make_planted_llada
     path = str(make_planted_llada(folder, k=k, n_layers=n_layers))
     prof = os.path.join(path, "bicache_profile.json")
     if calibrate:

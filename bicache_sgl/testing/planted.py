@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from .models.config import parse_model_config
-from .models.weights import checkpoint_names
-from .testing import SPECIAL_TOKENS, save_byte_tokenizer
+from ..models.config import parse_model_config
+from ..models.weights import checkpoint_names
+from . import SPECIAL_TOKENS, save_byte_tokenizer
 
 DIGITS = "0123456789"
 NONE_CHAR = "-"  # the answer when the sequence holds no digit

@@ -1,6 +1,6 @@
 """Cost of the block DP per denoising step (docs/structured.md).
 
-``python -m bicache_sgl.constrained.bench [--tokenizer PATH] [--block-length 32]`` compiles a few
+``python -m bicache_sgl.bench.constrained [--tokenizer PATH] [--block-length 32]`` compiles a few
 constraints for the tokenizer (default: the bundled model's) and times ``block_path`` with random
 log-probabilities, from a fully masked block down to two masked positions.
 """
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import compile_constraint
+from ..constrained import compile_constraint
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .models.config import parse_model_config
-from .models.weights import checkpoint_names
+from ..models.config import parse_model_config
+from ..models.weights import checkpoint_names
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|eot_id|>", "<|mask|>", "<|start_header_id|>", "<|end_header_id|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
