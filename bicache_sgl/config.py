@@ -2,6 +2,10 @@
 
 Every dataclass validates itself in ``__post_init__`` and raises ``ValueError`` with a message
 that names the offending field, so the server can turn it into a 400 as-is.
+
+Longer than ~400 lines on purpose: this is the one place every setting is declared (with its
+default, its help and its check); the server's ServerArgs extends EngineConfig and its flags are
+built from these fields (flags.py), so splitting the file would split the declaration.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ generation ids are given: an end id moves an accepting state to END, and END onl
 ids (in a diffusion LM everything after EOS is EOS padding). Tokens are grouped into classes
 that behave identically in every state, so the DP runs over (state, class) edges; the best
 token of a class at a position is found once per position, vectorised over the vocabulary.
+
+Over ~400 lines on purpose: one immutable automaton and the DP that reads its tables (the edge
+arrays, distances and feasible sets are private layout shared by every method).
 """
 
 from __future__ import annotations
