@@ -60,19 +60,24 @@ def resolve_model_path(model_path: str | None) -> str:
                               "folder.") from e
 
 
-def read_config(path: str) -> dict[str, Any]:
-    f = Path(path) / "config.json"
-    if not f.exists():
-        raise CheckpointError(f"{path} has no config.json")
+def _read_json_object(f: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object; anything else is a CheckpointError."""
     try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
+        data = json.loads(f.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is not valid JSON: {e}") from e
     except OSError as e:
         raise CheckpointError(f"cannot read {f}: {e}") from e
-    if not isinstance(cfg, dict):
+    if not isinstance(data, dict):
         raise CheckpointError(f"{f} must hold a JSON object")
-    return cfg
+    return data
+
+
+def read_config(path: str) -> dict[str, Any]:
+    f = Path(path) / "config.json"
+    if not f.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    return _read_json_object(f)
 
 
 @dataclass(frozen=True)
@@ -141,14 +146,7 @@ def read_generation_config(path: str) -> GenerationDefaults:
     f = Path(path) / "generation_config.json"
     if not f.is_file():
         return GenerationDefaults()
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e}") from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read {f}: {e}") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{f} must hold a JSON object")
+    data = _read_json_object(f)
     kw: dict[str, Any] = {}
     for key, name in _GEN_FIELDS:
         v = data.get(key)
