@@ -102,10 +102,6 @@ class Engine:
         naming the problem)."""
         return self.requests.build(greq, on_event)
 
-    def validate(self, greq: GenerateRequest) -> None:
-        """Raise ValueError naming what is wrong with a request."""
-        self._prepare(greq, None)
-
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
         return self.submit_many([greq], [on_event])[0]

@@ -22,7 +22,8 @@ from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheManager, NullCacheManager, make_cache_manager
 from ..kv_cache.memory import GiB, MemoryPlan, plan_memory
 from ..kv_cache.pool import KVPool
-from ..scheduler.request import Req, RequestFactory
+from ..scheduler.factory import RequestFactory
+from ..scheduler.request import Req
 from ..scheduler.scheduler import Admission, Scheduler
 from .model_runner import LoadedModel, ModelRunner
 

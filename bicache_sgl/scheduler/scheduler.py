@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from ..bicache.audit import DepthAudit
     from ..kv_cache.manager import CacheManager, NullCacheManager
     from ..models.forward_batch import SeqKV, SeqWork
-    from .request import Req, RequestFactory
+    from .factory import RequestFactory
+    from .request import Req
 
 log = logging.getLogger(__name__)
 
