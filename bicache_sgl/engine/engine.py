@@ -65,7 +65,7 @@ class Engine:
         self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
-        self.context_length = context_length_of(cfg, loaded)
+        self.context_length = context_length_of(cfg, loaded.model_config)
         # a file, or ("auto": the default without one beside the model) calibrated now on this very
         # model through a measurement stack (no second copy of the weights), cached on disk
         # (bicache_sgl/calibration/auto.py)
