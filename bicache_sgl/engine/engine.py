@@ -93,7 +93,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._atexit_registered = False
-        self._seed_counter = cfg.seed
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
@@ -120,9 +119,7 @@ class Engine:
             if clash is not None:
                 raise ValueError(f"request id {clash!r} is already in use")
             for req in reqs:
-                self._seed_counter += 1
-                if req.params.seed is None:
-                    req.reseed(self._seed_counter)
+                self.stack.seed_request(req)  # under the lock: submitters' threads share the counter
                 self._by_rid[req.rid] = req
                 self._inbox.append(req)
             self._cv.notify_all()

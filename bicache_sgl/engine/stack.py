@@ -63,7 +63,7 @@ class Stack:
     runner: ModelRunner
     requests: RequestFactory
     scheduler: Scheduler
-    seed: int = 0  # the per-request seed of ``run``'s requests without one (as the engine's counter)
+    seed: int = 0  # the per-request seed counter (``seed_request``), starting at EngineConfig.seed
 
     @property
     def model(self) -> torch.nn.Module:
@@ -76,6 +76,13 @@ class Stack:
     @property
     def n_layers(self) -> int:
         return self.loaded.model_config.n_layers
+
+    def seed_request(self, req: Req) -> None:
+        """Every queued request advances the seed counter; one without ``sampling_params.seed``
+        samples from the counter's value (so its seed depends only on its place in the arrivals)."""
+        self.seed += 1
+        if req.params.seed is None:
+            req.reseed(self.seed)
 
     def step(self) -> list[Req] | None:
         """Schedule, ONE batched forward for every running request, postprocess. Returns the
@@ -97,9 +104,7 @@ class Stack:
         steps (a calibration's)."""
         reqs = [self.requests.build(g, None) for g in greqs]
         for req in reqs:
-            self.seed += 1
-            if req.params.seed is None:
-                req.reseed(self.seed)
+            self.seed_request(req)
             self.scheduler.add(req)
         while self.scheduler.has_work():
             if self.step() is None and self.scheduler.waiting:  # nothing runs and nothing can be admitted
