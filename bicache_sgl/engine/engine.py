@@ -96,11 +96,6 @@ class Engine:
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
-    def _prepare(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Validate a request (a ValidRequest is trusted) and build its state (raises ValueError
-        naming the problem)."""
-        return self.requests.build(greq, on_event)
-
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
         return self.submit_many([greq], [on_event])[0]
@@ -109,7 +104,8 @@ class Engine:
                     on_events: Sequence[Callable[[RequestEvent], None] | None], *, start: bool = True) -> list[str]:
         """Queue several requests atomically (they become visible to the same step). ``start``
         False leaves the engine thread alone (``run_sync`` steps on the caller's thread)."""
-        reqs = [self._prepare(g, cb) for g, cb in zip(greqs, on_events)]
+        # validated here (a ValidRequest is trusted as it is); ValueError names what is wrong
+        reqs = [self.requests.build(g, cb) for g, cb in zip(greqs, on_events)]
         with self._cv:
             limit = self.config.max_queued_requests
             if limit is not None and self._num_waiting() + len(reqs) > limit:
