@@ -36,7 +36,8 @@ from bicache_sgl.models.loader import (
     load_model_config,
     load_tokenizer,
 )
-from bicache_sgl.scheduler.request import Req, RequestFactory
+from bicache_sgl.scheduler.factory import RequestFactory
+from bicache_sgl.scheduler.request import Req
 
 CPU = torch.device("cpu")
 G = 32  # generation length of the exactness runs

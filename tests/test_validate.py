@@ -12,7 +12,7 @@ from bicache_sgl.config import DecodeDefaults, SamplingParams
 from bicache_sgl.engine.wire import failed_event
 from bicache_sgl.io_struct import GenerateRequest
 from bicache_sgl.models.loader import load_model_config, load_tokenizer
-from bicache_sgl.scheduler.request import RequestFactory
+from bicache_sgl.scheduler.factory import RequestFactory
 from bicache_sgl.scheduler.validate import RequestLimits, ValidRequest, validate_request
 from bicache_sgl.testing import make_tiny_llada
 

@@ -65,7 +65,7 @@ class Engine:
         self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
-        self.context_length = context_length_of(cfg, loaded)
+        self.context_length = context_length_of(cfg, loaded.model_config)
         # a file, or ("auto": the default without one beside the model) calibrated now on this very
         # model through a measurement stack (no second copy of the weights), cached on disk
         # (bicache_sgl/calibration/auto.py)
@@ -93,19 +93,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._atexit_registered = False
-        self._seed_counter = cfg.seed
         self.last_step_time = time.time()
 
     # --------------------------------------------------------------------------------- requests
-    def _prepare(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Validate a request (a ValidRequest is trusted) and build its state (raises ValueError
-        naming the problem)."""
-        return self.requests.build(greq, on_event)
-
-    def validate(self, greq: GenerateRequest) -> None:
-        """Raise ValueError naming what is wrong with a request."""
-        self._prepare(greq, None)
-
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Queue a request; ``on_event`` is called from the engine thread. Thread-safe."""
         return self.submit_many([greq], [on_event])[0]
@@ -114,7 +104,8 @@ class Engine:
                     on_events: Sequence[Callable[[RequestEvent], None] | None], *, start: bool = True) -> list[str]:
         """Queue several requests atomically (they become visible to the same step). ``start``
         False leaves the engine thread alone (``run_sync`` steps on the caller's thread)."""
-        reqs = [self._prepare(g, cb) for g, cb in zip(greqs, on_events)]
+        # validated here (a ValidRequest is trusted as it is); ValueError names what is wrong
+        reqs = [self.requests.build(g, cb) for g, cb in zip(greqs, on_events)]
         with self._cv:
             limit = self.config.max_queued_requests
             if limit is not None and self._num_waiting() + len(reqs) > limit:
@@ -124,9 +115,7 @@ class Engine:
             if clash is not None:
                 raise ValueError(f"request id {clash!r} is already in use")
             for req in reqs:
-                self._seed_counter += 1
-                if req.params.seed is None:
-                    req.reseed(self._seed_counter)
+                self.stack.seed_request(req)  # under the lock: submitters' threads share the counter
                 self._by_rid[req.rid] = req
                 self._inbox.append(req)
             self._cv.notify_all()

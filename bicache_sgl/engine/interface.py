@@ -25,9 +25,6 @@ class EngineClient(Protocol):
     tokenizer: Any  # a transformers tokenizer (encode / decode / chat template)
     eos_ids: tuple[int, ...]
 
-    def validate(self, greq: GenerateRequest) -> None:
-        """Raise ValueError naming what is wrong with a request (nothing is queued)."""
-
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Validate (once: ``bicache_sgl.scheduler.validate``) and queue one request; returns its
         ``rid``. ``on_event`` runs on another thread for each block and at the end; every event's

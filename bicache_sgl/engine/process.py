@@ -152,7 +152,7 @@ class EngineProcessClient:
 
     def _setup(self, info: dict[str, Any]) -> None:
         from ..models.loader import load_tokenizer
-        from ..scheduler.request import RequestFactory
+        from ..scheduler.factory import RequestFactory
 
         self.pid: int = info["pid"]
         self.config: EngineConfig = info["config"]
@@ -168,10 +168,6 @@ class EngineProcessClient:
                                        self.context_length, kv_budget=self.kv_budget)
 
     # --------------------------------------------------------------------------------- requests
-    def validate(self, greq: GenerateRequest) -> None:
-        """The engine's own checks (``validate_request``, K/V budget included), run here."""
-        self._validated(greq)
-
     def _validated(self, greq: GenerateRequest) -> tuple[ValidRequest, list]:
         """Validate once (pure) and check the constraint (cached build, off the caller's loop):
         the request as it is sent and the constraint index ((regex, limits, IndexData)) the

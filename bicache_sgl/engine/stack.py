@@ -22,7 +22,9 @@ from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheManager, make_cache_manager
 from ..kv_cache.memory import GiB, MemoryPlan, plan_memory
 from ..kv_cache.pool import KVPool
-from ..scheduler.request import Req, RequestFactory
+from ..models.config import ModelConfig
+from ..scheduler.factory import RequestFactory
+from ..scheduler.request import Req
 from ..scheduler.scheduler import Admission, Scheduler
 from .model_runner import LoadedModel, ModelRunner
 
@@ -32,10 +34,21 @@ log = logging.getLogger(__name__)
 MEASURE_HEADROOM_BYTES = 1 * GiB
 
 
-def context_length_of(cfg: EngineConfig, loaded: LoadedModel) -> int:
+def context_length_of(cfg: EngineConfig, mc: ModelConfig) -> int:
     """The served context: ``cfg.context_length`` capped by the model's positions."""
-    mpe = loaded.model_config.max_position_embeddings
+    mpe = mc.max_position_embeddings
     return min(cfg.context_length or mpe, mpe)
+
+
+def plan_for(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_depth: int, *,
+             free_bytes: int | None = None) -> MemoryPlan:
+    """Pool and request K/V sizes for nodes of at most ``max_depth`` layers of ``mc`` in ``dtype``
+    on ``device`` under ``cfg``'s flags (kv_cache/memory.py); the request budget is capped at twice
+    the running requests' context. The one sizing call: every stack, and the self-test's memory
+    rows (``free_bytes``: CUDA's free memory once the weights are loaded; read now when None)."""
+    return plan_memory(mc, dtype, device, max_depth, max_prefix_cache_tokens=cfg.max_prefix_cache_tokens,
+                       max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static,
+                       free_bytes=free_bytes, max_positions=2 * cfg.max_running_requests * context_length_of(cfg, mc))
 
 
 @dataclass
@@ -50,7 +63,7 @@ class Stack:
     runner: ModelRunner
     requests: RequestFactory
     scheduler: Scheduler
-    seed: int = 0  # the per-request seed of ``run``'s requests without one (as the engine's counter)
+    seed: int = 0  # the per-request seed counter (``seed_request``), starting at EngineConfig.seed
 
     @property
     def model(self) -> torch.nn.Module:
@@ -63,6 +76,13 @@ class Stack:
     @property
     def n_layers(self) -> int:
         return self.loaded.model_config.n_layers
+
+    def seed_request(self, req: Req) -> None:
+        """Every queued request advances the seed counter; one without ``sampling_params.seed``
+        samples from the counter's value (so its seed depends only on its place in the arrivals)."""
+        self.seed += 1
+        if req.params.seed is None:
+            req.reseed(self.seed)
 
     def step(self) -> list[Req] | None:
         """Schedule, ONE batched forward for every running request, postprocess. Returns the
@@ -84,9 +104,7 @@ class Stack:
         steps (a calibration's)."""
         reqs = [self.requests.build(g, None) for g in greqs]
         for req in reqs:
-            self.seed += 1
-            if req.params.seed is None:
-                req.reseed(self.seed)
+            self.seed_request(req)
             self.scheduler.add(req)
         while self.scheduler.has_work():
             if self.step() is None and self.scheduler.waiting:  # nothing runs and nothing can be admitted
@@ -100,22 +118,14 @@ class Stack:
         self.cache.flush()
 
 
-def plan_for(cfg: EngineConfig, loaded: LoadedModel, policy: DepthPolicy) -> MemoryPlan:
-    """Pool and request K/V sizes for ``policy`` on ``loaded`` under ``cfg``'s flags
-    (kv_cache/memory.py); the request budget is capped at twice the running requests' context."""
-    return plan_memory(loaded.model_config, loaded.dtype, loaded.device, policy.max_node_depth,
-                       max_prefix_cache_tokens=cfg.max_prefix_cache_tokens, max_total_tokens=cfg.max_total_tokens,
-                       mem_fraction_static=cfg.mem_fraction_static,
-                       max_positions=2 * cfg.max_running_requests * context_length_of(cfg, loaded))
-
-
 def build_stack(cfg: EngineConfig, loaded: LoadedModel, policy: DepthPolicy, *, audit: DepthAudit | None = None,
                 prefix_aware: bool | None = None, memory: MemoryPlan | None = None) -> Stack:
     """The stack ``cfg`` describes on ``loaded``, for ``policy``. ``prefix_aware`` (default: when
     the cache is on): admission defers requests that share an uncached prefix; ``memory``: a plan
     already made (else planned here from ``cfg``)."""
-    mc, ctx = loaded.model_config, context_length_of(cfg, loaded)
-    memory = memory or plan_for(cfg, loaded, policy)
+    mc = loaded.model_config
+    ctx = context_length_of(cfg, mc)
+    memory = memory or plan_for(cfg, mc, loaded.dtype, loaded.device, policy.max_node_depth)
     pool = KVPool(mc, memory.pool_tokens, memory.pool_rows, memory.request_rows, loaded.dtype, loaded.device)
     cache = make_cache_manager(policy, pool)
     runner = ModelRunner(loaded, cfg.attention_backend, pool)
@@ -139,7 +149,7 @@ def measurement_stack(cfg: EngineConfig, loaded: LoadedModel, *, max_running: in
                       max_prefix_cache_tokens=max_prefix_cache_tokens, max_total_tokens=max_total_tokens,
                       cache_output=False)
     policy = make_policy(cfg.prefix_cache, loaded.model_config.n_layers)
-    memory = plan_for(cfg, loaded, policy)
+    memory = plan_for(cfg, loaded.model_config, loaded.dtype, loaded.device, policy.max_node_depth)
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
         need = memory.pool_bytes + memory.request_bytes + MEASURE_HEADROOM_BYTES

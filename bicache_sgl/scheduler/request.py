@@ -1,7 +1,7 @@
 """The engine-side state of one request (:class:`Req`): its identity, its resources (private K/V
 buffers, the cache grant, the audit shadow) and its progress through the semi-autoregressive
-blocks, with in-request cache refreshes; and :class:`RequestFactory`, which validates submitted
-requests and builds it. What callers submit and receive (GenerateRequest, RequestEvent) is in
+blocks, with in-request cache refreshes (``scheduler.factory.RequestFactory`` validates submitted
+requests and builds it). What callers submit and receive (GenerateRequest, RequestEvent) is in
 ``bicache_sgl.io_struct``.
 
 How each step's positions are unmasked is the algorithm family's denoiser
@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from ..bicache.planner import RequestFacts, ReusePlan
-from ..config import DecodeDefaults, SamplingParams
-from ..constrained import Constraint, ConstraintError, NoCompletion, compile_constraint
+from ..constrained import Constraint, NoCompletion
 from ..decoding import NEG_INF
 from ..decoding.denoiser import make_denoiser
 from ..decoding.logprobs import Logprobs
@@ -32,12 +31,11 @@ from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, RequestEvent
 from ..kv_cache.manager import CacheGrant
 from ..kv_cache.store import Capture, SeqKV
-from ..models.config import ModelConfig
 from ..models.forward_batch import SeqWork
 from .structured import StructuredOutput
-from .validate import RequestLimits, ValidRequest, kv_lengths, validate_request
+from .validate import kv_lengths
 
-__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "Req", "RequestFactory"]
+__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "Req"]
 
 
 class Req:
@@ -344,41 +342,3 @@ class Req:
         return RequestEvent(self.rid, self.text, list(self.out_ids), self.finished, self.finish_reason,
                             self.meta_info(), self.error)
 
-
-class RequestFactory:
-    """Validates submitted requests against the model and builds their state (once per request)."""
-
-    def __init__(self, model_config: ModelConfig, tokenizer, eos_ids: tuple[int, ...], decode: DecodeDefaults,
-                 context_length: int, kv_budget: int | None = None) -> None:
-        self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
-        self.decode, self.context_length = decode, context_length
-        self.kv_budget = kv_budget  # the scheduler's whole private-K/V budget (positions); None: unchecked
-        self.limits = RequestLimits.of(model_config, decode, context_length, kv_budget)
-        # the checkpoint's generation_config.json defaults (below the request and the server)
-        self.generation = self.limits.generation
-
-    def build(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
-        """Raise ValueError naming what is wrong, else the request's state. A :class:`ValidRequest`
-        (validated at the edge, scheduler/validate.py) is trusted as it is."""
-        v = greq if isinstance(greq, ValidRequest) else validate_request(greq, self.limits)
-        mc = self.mc
-        return Req(v.greq, v.plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params))
-
-    def constraint(self, p: SamplingParams) -> Constraint | None:
-        """Compile the request's output constraint (cached per constraint and end ids; a fresh
-        build takes milliseconds to seconds, bounded by the core's limits, so callers run this
-        off any event loop). Raises ValueError (ConstraintError) with the parser's message."""
-        spec = p.constraint
-        if spec is None:
-            return None
-        kind, value = spec
-        # the ids that end the output, allowed only after a complete match: EOS (not with
-        # ignore_eos) and stop_token_ids. With none (ignore_eos, no stop ids) every position is
-        # output and the match has to fill them all
-        end_ids = (() if p.ignore_eos else tuple(self.eos_ids)) + tuple(p.stop_token_ids)
-        try:
-            return compile_constraint(kind, value, self.tokenizer, end_ids=end_ids)
-        except ConstraintError as e:
-            msg = str(e)
-            raise ConstraintError(msg if msg.startswith(kind) else f"{kind}: {msg}") from None

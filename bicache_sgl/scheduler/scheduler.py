@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from ..kv_cache.manager import CacheManager
     from ..kv_cache.store import SeqKV
     from ..models.forward_batch import SeqWork
-    from .request import Req, RequestFactory
+    from .factory import RequestFactory
+    from .request import Req
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 class Schedulable(Protocol):
     prompt: list[int]
     kv_tokens: int
+    internal: bool  # an output capture: the engine's prefill of a finished request's prompt + answer
 
 
 class Admission:
@@ -49,6 +51,11 @@ class Admission:
       admitted this round; it inserts the prefix after its first forward, so the others hit the
       cache when they are admitted on the next step. ``min_shared`` tokens of uncached common
       prefix trigger the deferral.
+    - A request that shares with an earlier waiting output capture (``internal``: a finished
+      turn's prompt + answer, queued for the cache) more than is cached of either prompt (the
+      capture will insert part of this prompt: the next turn continues into the answer) waits
+      for that capture whatever the length: the capture exists for the next turn to reuse it,
+      and an answer is often shorter than ``min_shared``.
     - A request whose K/V does not fit the budget left waits (and so does everything behind it
       in the order, so a large request is never starved by smaller ones).
     """
@@ -84,6 +91,9 @@ class Admission:
         else:
             cached = [0] * len(cands)
             order = list(range(len(cands)))
+        # waiting output captures with their arrival index: a request waits only for captures
+        # queued before it, so the earliest never waits for another (no cycle)
+        captures = [(j, r) for j, r in enumerate(cands) if r.internal] if self.prefix_aware else []
         picked: list = []
         budget = self.kv_budget - self.kv_in_use
         for i in order:
@@ -93,6 +103,8 @@ class Admission:
             if self.prefix_aware and picked and \
                     any(common_prefix_len(p.prompt, r.prompt) >= cached[i] + self.min_shared for p in picked):
                 continue  # a picked request computes this shared prefix first
+            if any(j < i and common_prefix_len(c.prompt, r.prompt) > max(cached[i], cached[j]) for j, c in captures):
+                continue  # a pending output capture (picked or not yet) inserts more of this prompt
             if r.kv_tokens > budget:
                 break
             budget -= r.kv_tokens

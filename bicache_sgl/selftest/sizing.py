@@ -1,5 +1,5 @@
-"""The memory sizing an engine would use on this device (``kv_cache.memory.plan_memory``, called
-with the arguments ``Engine`` passes it under the default ``EngineConfig``), for the bundled
+"""The memory sizing an engine would use on this device (``engine.stack.plan_for``, the sizing
+call every engine stack makes, under the default ``EngineConfig``), for the bundled
 model and for a LLaDA-8B-shaped config built in memory (no weights are read or allocated).
 
 On CUDA the engine sizes its pools from the memory free after loading the weights; here the
@@ -17,7 +17,8 @@ import torch
 from ..bicache.policy import make_policy
 from ..bicache.profile import find_profile
 from ..config import EngineConfig
-from ..kv_cache.memory import MemoryPlan, itemsize, plan_memory
+from ..engine.stack import plan_for
+from ..kv_cache.memory import MemoryPlan, itemsize
 from ..models.config import ModelConfig, parse_model_config
 from ..models.loader import load_model_config, pick_dtype
 from ..models.weights import checkpoint_names
@@ -48,11 +49,7 @@ def engine_plan(cfg: ModelConfig, device: torch.device, max_depth: int, *, free_
     flags when None); ``free_bytes`` is CUDA's free memory once the weights are loaded."""
     ec = engine or EngineConfig()
     dtype = pick_dtype(ec.dtype, cfg, device)
-    context = min(ec.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    plan = plan_memory(cfg, dtype, device, max_depth, max_prefix_cache_tokens=ec.max_prefix_cache_tokens,
-                       max_total_tokens=ec.max_total_tokens, mem_fraction_static=ec.mem_fraction_static,
-                       free_bytes=free_bytes, max_positions=2 * ec.max_running_requests * context)
-    return dtype, plan
+    return dtype, plan_for(ec, cfg, dtype, device, max_depth, free_bytes=free_bytes)
 
 
 def _device_memory(device: torch.device) -> tuple[int, int]:
