@@ -168,6 +168,13 @@ class EngineProcessClient:
                                        self.context_length, kv_budget=self.kv_budget)
 
     # --------------------------------------------------------------------------------- requests
+    @property
+    def submit_returns_at_once(self) -> bool:
+        """True when ``submit`` never waits on the engine process (no ``max_queued_requests``:
+        a pure validation and a one-way send), so a caller may submit on its event loop. A
+        request with a constraint may still build it while validating (cached after the first)."""
+        return self.config.max_queued_requests is None
+
     def validate(self, greq: GenerateRequest) -> None:
         """The engine's own checks (``validate_request``, K/V budget included), run here."""
         self._validated(greq)

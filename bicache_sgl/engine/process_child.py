@@ -204,12 +204,17 @@ def engine_main(config: EngineConfig, req_address: str, event_address: str, log_
         msg = pickle.loads(inbox.recv())
         kind = msg[0]
         if kind == "submit":
-            # off the message loop (a constraint may still take seconds to build here), in a small
-            # pool: aborts, stats and flushes keep being answered meanwhile
             valid, reply_id, seeds = msg[1], msg[2], msg[3]
             with submitting_lock:
                 submitting.update(v.rid for v in valid)
-            submit_pool.submit(submit, valid, reply_id, seeds)
+            if seeds or any(v.greq.params.constraint is not None for v in valid):
+                # off the message loop (a constraint may still take seconds to build here), in a
+                # small pool: aborts, stats and flushes keep being answered meanwhile
+                submit_pool.submit(submit, valid, reply_id, seeds)
+            else:
+                # nothing to build: queueing is a few dict/list operations, cheaper here than the
+                # hop to a pool thread (which at concurrency 1 costs more than the submission)
+                submit(valid, reply_id, seeds)
         elif kind == "abort":
             with submitting_lock:
                 if msg[1] in submitting:  # its submit is still running: abort it right after
