@@ -18,8 +18,16 @@ round it prints three medians:
 Servers and engines are started once per mode and kept up; rounds alternate between them, so a
 slow stretch of a shared machine hits every mode alike.
 
+``--code PATH,PATH`` compares source trees instead (A/B of two checkouts of this project, e.g.
+one made with ``git worktree add /tmp/base OLD``; each PATH is a PYTHONPATH whose last folder is
+a tree, so ``/opt/extra:/tmp/base`` adds packages to one side): one server per tree and mode,
+started from an empty folder with that PYTHONPATH (so ``python -m`` cannot pick up the current
+folder), the same request sent to each in turn (A B, then B A), and per tree the medians above
+plus the median per-request ratio of its paired overhead to the first tree's.
+
     python examples/bench_server_overhead.py                       # off and bicache, 3 rounds
     python examples/bench_server_overhead.py --modes off --rounds 5 --items 32
+    python examples/bench_server_overhead.py --modes off --no-alone --code /tmp/base,$PWD
 """
 
 from __future__ import annotations
@@ -38,7 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--server-args", default="", help="extra launch_server flags, e.g. '--num-threads 1'")
     ap.add_argument("--no-alone", action="store_true", help="skip Engine.run_sync (only the paired figure)")
+    ap.add_argument("--code", default="", help="comma-separated source trees to compare, request by request")
     args = ap.parse_args(argv)
+    if args.code:
+        compare_code(args, [c for c in args.code.split(",") if c])
+        return
 
     from bicache_sgl import Engine, SamplingParams
     from bicache_sgl.io_struct import GenerateRequest
@@ -87,6 +99,56 @@ def main(argv: list[str] | None = None) -> None:
             rt.shutdown()
         for eng in engines.values():
             eng.shutdown()
+
+
+def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
+    """One server per tree and mode; each request goes to every tree in turn (order alternating)."""
+    import os
+    import tempfile
+
+    from bicache_sgl.runtime import Runtime
+    from bicache_sgl.training import task
+
+    # each entry is a PYTHONPATH (a tree, or e.g. /opt/extra:/tmp/base to add packages to one side)
+    paths = [os.pathsep.join(os.path.abspath(p) for p in t.split(os.pathsep)) for t in trees]
+    for t, p in zip(trees, paths):
+        if not os.path.isdir(os.path.join(p.split(os.pathsep)[-1], "bicache_sgl")):
+            raise SystemExit(f"--code: the last folder of {t!r} has no bicache_sgl folder")
+    items = task.heldout_items(args.items, num_shots=8, seed=0, questions_per_family=6)
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+    extra = _flags(args.server_args)
+    here = os.getcwd()  # the paths above are already absolute
+    os.chdir(tempfile.mkdtemp(prefix="bicache-ab-"))  # `python -m` puts the cwd first on sys.path
+    try:
+        for mode in [m for m in args.modes.split(",") if m]:
+            rts = [Runtime(None, prefix_cache=mode, env={"PYTHONPATH": p},
+                           **extra) for p in paths]
+            try:
+                for rt in rts:
+                    rt.generate(items[0]["prompt"], sp)
+                    rt.flush_cache()
+                lat: list[list[float]] = [[] for _ in trees]
+                paired: list[list[float]] = [[] for _ in trees]
+                for r in range(args.rounds):
+                    for rt in rts:
+                        rt.flush_cache()
+                    for k, it in enumerate(items):
+                        order = range(len(trees)) if (r * len(items) + k) % 2 == 0 else reversed(range(len(trees)))
+                        for i in order:
+                            t0 = time.perf_counter()
+                            out = rts[i].generate(it["prompt"], sp)
+                            wall = time.perf_counter() - t0
+                            lat[i].append(wall)
+                            paired[i].append(wall - out["meta_info"]["e2e_latency"])
+                for i, t in enumerate(trees):
+                    ratio = statistics.median(b / a for a, b in zip(paired[0], paired[i]))
+                    print(f"{mode:>8} {t}: server {_ms(lat[i])} ms, paired overhead {_ms(paired[i], 2)} ms, "
+                          f"paired / first tree's per request {ratio:.2f} (n={len(lat[i])})", flush=True)
+            finally:
+                for rt in rts:
+                    rt.shutdown()
+    finally:
+        os.chdir(here)
 
 
 def _ms(xs: list[float], digits: int = 1) -> str:
