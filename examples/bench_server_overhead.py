@@ -106,6 +106,8 @@ def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
     import os
     import tempfile
 
+    from bicache_sgl import Engine, SamplingParams
+    from bicache_sgl.io_struct import GenerateRequest
     from bicache_sgl.runtime import Runtime
     from bicache_sgl.training import task
 
@@ -123,16 +125,26 @@ def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
         for mode in [m for m in args.modes.split(",") if m]:
             rts = [Runtime(None, prefix_cache=mode, env={"PYTHONPATH": p},
                            **extra) for p in paths]
+            eng = None if args.no_alone else Engine(prefix_cache=mode, num_threads=1)  # this process's tree
             try:
                 for rt in rts:
                     rt.generate(items[0]["prompt"], sp)
                     rt.flush_cache()
+                if eng is not None:
+                    eng.run_sync([GenerateRequest(eng.encode(items[0]["prompt"]), SamplingParams(**sp))])
                 lat: list[list[float]] = [[] for _ in trees]
                 paired: list[list[float]] = [[] for _ in trees]
+                alone: list[float] = []
                 for r in range(args.rounds):
                     for rt in rts:
                         rt.flush_cache()
+                    if eng is not None:
+                        eng.cache.flush()
                     for k, it in enumerate(items):
+                        if eng is not None:
+                            t0 = time.perf_counter()
+                            eng.run_sync([GenerateRequest(eng.encode(it["prompt"]), SamplingParams(**sp))])
+                            alone.append(time.perf_counter() - t0)
                         order = range(len(trees)) if (r * len(items) + k) % 2 == 0 else reversed(range(len(trees)))
                         for i in order:
                             t0 = time.perf_counter()
@@ -142,11 +154,17 @@ def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
                             paired[i].append(wall - out["meta_info"]["e2e_latency"])
                 for i, t in enumerate(trees):
                     ratio = statistics.median(b / a for a, b in zip(paired[0], paired[i]))
+                    vs = (f", server - alone {(statistics.median(lat[i]) - statistics.median(alone)) * 1e3:.1f} ms"
+                          if alone else "")
                     print(f"{mode:>8} {t}: server {_ms(lat[i])} ms, paired overhead {_ms(paired[i], 2)} ms, "
-                          f"paired / first tree's per request {ratio:.2f} (n={len(lat[i])})", flush=True)
+                          f"paired / first tree's per request {ratio:.2f} (n={len(lat[i])}){vs}", flush=True)
+                if alone:
+                    print(f"{mode:>8} engine alone (Engine.run_sync, this process): {_ms(alone)} ms", flush=True)
             finally:
                 for rt in rts:
                     rt.shutdown()
+                if eng is not None:
+                    eng.shutdown()
     finally:
         os.chdir(here)
 
