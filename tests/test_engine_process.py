@@ -13,7 +13,6 @@ import pytest
 from reliability_support import parent_pid, sse_frames
 
 requests = pytest.importorskip("requests")
-pytest.importorskip("zmq")
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process parents from /proc")
 

@@ -1,6 +1,6 @@
 """The engine in its own process (SGLang's layout): the HTTP server and the tokenizer stay in the
 main process, the scheduler + model run in a child (engine/process_child.py), and the two talk over
-ZMQ (the messages: engine/wire.py).
+one duplex pipe (a Unix socket pair; the messages: engine/wire.py).
 
 Why: in one process the HTTP event loop, the tokenizer, the JSON encoding and the engine's step
 share one GIL, and the engine's OpenMP threads compete with the server threads for the same cores.
@@ -34,14 +34,12 @@ import itertools
 import logging
 import multiprocessing
 import pickle
-import shutil
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
 from typing import Any
-
-import zmq
 
 from ..config import EngineConfig
 from ..constrained.index import Limits
@@ -49,7 +47,7 @@ from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..runtime import describe_exit
 from ..scheduler.validate import ValidRequest, validate_request
 from .process_child import default_engine_threads, engine_main
-from .wire import EngineDeadError, dumps, failed_event, fill_logprob_texts, ipc_dir
+from .wire import EngineDeadError, dumps, failed_event, fill_logprob_texts
 
 __all__ = ["EngineDeadError", "EngineProcessClient", "default_engine_threads"]
 
@@ -87,30 +85,25 @@ class EngineProcessClient:
                  startup_timeout: float = STARTUP_TIMEOUT_S,
                  on_failure: Callable[[str], None] | None = None) -> None:
         self.on_failure = on_failure
-        self._lock = threading.Lock()  # the request socket, the pending tables
+        self._lock = threading.Lock()  # sends on the pipe, the pending tables
         self._pending: dict[str, _Pending] = {}
         self._replies: dict[int, _Reply] = {}
         self._reply_ids = itertools.count(1)
         self._closed = False
         self._dead: str | None = None
         self._receiver: threading.Thread | None = None
-        self._dir = ipc_dir()
-        req_address = f"ipc://{self._dir}/requests"
-        event_address = f"ipc://{self._dir}/events"
-        self._ctx = zmq.Context()
-        self._req = self._ctx.socket(zmq.PUSH)
-        self._req.setsockopt(zmq.LINGER, 0)
-        self._req.setsockopt(zmq.SNDHWM, 0)
-        self._req.bind(req_address)
-        self._ev = self._ctx.socket(zmq.PULL)
-        self._ev.setsockopt(zmq.LINGER, 0)
-        self._ev.bind(event_address)
         cfg = config or EngineConfig()
         mp = multiprocessing.get_context("spawn")
-        self.process = mp.Process(target=engine_main, args=(cfg, req_address, event_address, log_level),
+        # one socket pair both ways: a message is one send/recv syscall pair, with no broker or I/O
+        # thread in between (each wakeup on the way costs latency on a loaded machine); the
+        # receiver thread reads it, senders hold self._lock
+        self._conn: Connection
+        self._conn, child_conn = mp.Pipe(duplex=True)
+        self.process = mp.Process(target=engine_main, args=(cfg, child_conn, log_level),
                                   name="bicache-engine", daemon=True)
         try:
             self.process.start()
+            child_conn.close()  # the child has its own copy: reads here see EOF once it exits
             info = self._wait_ready(startup_timeout)
             self._setup(info)
         except BaseException:
@@ -129,17 +122,19 @@ class EngineProcessClient:
 
     # ---------------------------------------------------------------------------------- startup
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
-        poller = zmq.Poller()
-        poller.register(self._ev, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"the engine process did not load the model within {timeout:.0f} s")
-            ready = dict(poller.poll(min(left, 1.0) * 1000))
-            if self._ev in ready:
-                msg = pickle.loads(self._ev.recv())
+            ready = wait([self._conn, self.process.sentinel], min(left, 1.0))
+            if self._conn in ready:
+                try:
+                    msg = pickle.loads(self._conn.recv_bytes())
+                except (EOFError, OSError):  # the child closed its end: it is exiting
+                    self.process.join(5.0)
+                    raise RuntimeError(f"the engine process exited while loading the model "
+                                       f"({describe_exit(self.process.exitcode, 'exit code unknown')})") from None
                 if msg[0] == "ready":
                     return msg[1]
                 if msg[0] == "startup_error":
@@ -168,6 +163,13 @@ class EngineProcessClient:
                                        self.context_length, kv_budget=self.kv_budget)
 
     # --------------------------------------------------------------------------------- requests
+    @property
+    def submit_returns_at_once(self) -> bool:
+        """True when ``submit`` never waits on the engine process (no ``max_queued_requests``:
+        a pure validation and a one-way send), so a caller may submit on its event loop. A
+        request with a constraint may still build it while validating (cached after the first)."""
+        return self.config.max_queued_requests is None
+
     def _validated(self, greq: GenerateRequest) -> tuple[ValidRequest, list]:
         """Validate once (pure) and check the constraint (cached build, off the caller's loop):
         the request as it is sent and the constraint index ((regex, limits, IndexData)) the
@@ -205,7 +207,7 @@ class EngineProcessClient:
             if reply is not None:
                 reply_id = next(self._reply_ids)
                 self._replies[reply_id] = reply
-            self._req.send(dumps(("submit", sent, reply_id, seeds)))
+            self._send(("submit", sent, reply_id, seeds))
         if reply is not None:
             try:
                 self._await(reply, STATS_TIMEOUT_S, "submitting the request", reply_id)
@@ -222,7 +224,7 @@ class EngineProcessClient:
     def abort(self, rid: str) -> None:
         with self._lock:
             if self._dead is None and not self._closed:
-                self._req.send(dumps(("abort", rid)))
+                self._send(("abort", rid))
 
     def abort_all(self) -> int:
         """Abort every request this client has in flight (each then ends with an abort event)."""
@@ -249,8 +251,17 @@ class EngineProcessClient:
             self._check_alive()
             reply_id = next(self._reply_ids)
             self._replies[reply_id] = reply
-            self._req.send(dumps((msg[0], reply_id, *msg[2:])))
+            self._send((msg[0], reply_id, *msg[2:]))
         return self._await(reply, timeout, what, reply_id)
+
+    def _send(self, msg: tuple) -> None:
+        """Send one message (the caller holds self._lock). A child that is gone cannot take it:
+        that is not the sender's error to report, the receiver thread sees the exit and fails
+        every pending request and round trip (this one included)."""
+        try:
+            self._conn.send_bytes(dumps(msg))
+        except (OSError, ValueError):  # broken pipe, or the pipe was closed at shutdown
+            log.debug("engine process pipe closed; %r not sent", msg[0])
 
     def _await(self, reply: _Reply, timeout: float, what: str, reply_id: int | None = None) -> Any:
         if not reply.done.wait(timeout):
@@ -270,25 +281,28 @@ class EngineProcessClient:
 
     # --------------------------------------------------------------------------------- receiver
     def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._ev, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        conn = self._conn
         try:
             while True:
-                ready = dict(poller.poll(1000))
-                if self._ev in ready:
-                    while True:  # everything already queued, before looking at the process again
-                        try:
-                            raw = self._ev.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        if self._dispatch(pickle.loads(raw)):
-                            return
+                ready = wait([conn, self.process.sentinel], 1.0)
+                if conn in ready:
+                    try:
+                        raw = conn.recv_bytes()
+                    except (EOFError, OSError):  # the child's end closed: it exited (or is exiting)
+                        self.process.join(5.0)
+                        self._engine_died(self.process.exitcode)
+                        return
+                    if self._dispatch(pickle.loads(raw)):
+                        return
                     continue
                 if self.process.sentinel in ready or not self.process.is_alive():
-                    # what the child sent just before it exited may still be on its way
-                    while self._ev.poll(200):
-                        if self._dispatch(pickle.loads(self._ev.recv())):
+                    # what the child wrote just before it exited is still in the pipe
+                    while conn.poll(0.2):
+                        try:
+                            raw = conn.recv_bytes()
+                        except (EOFError, OSError):
+                            break
+                        if self._dispatch(pickle.loads(raw)):
                             return
                     self.process.join(1.0)
                     self._engine_died(self.process.exitcode)
@@ -297,7 +311,8 @@ class EngineProcessClient:
             log.exception("the engine event receiver failed")
             self._engine_died(None, "the server lost its connection to the engine process")
         finally:
-            self._ev.close()
+            with self._lock:
+                conn.close()
 
     def _dispatch(self, msg: tuple) -> bool:
         """Handle one message from the child; True when it said goodbye."""
@@ -375,16 +390,11 @@ class EngineProcessClient:
                 return
             self._closed = True
             if self._dead is None:
-                try:
-                    self._req.send(dumps(("shutdown", timeout)))
-                except zmq.ZMQError:
-                    pass
+                self._send(("shutdown", timeout))
         self.process.join(timeout + 5.0)
         self._close(kill=True)
         if self._receiver is not None:
             self._receiver.join(5.0)
-            if not self._receiver.is_alive():
-                self._ctx.term()
         self._fail_all("server shutting down", error=False)
         try:
             atexit.unregister(self._atexit)
@@ -400,11 +410,8 @@ class EngineProcessClient:
                 self.process.join(5.0)
         with self._lock:
             self._closed = True
-            self._req.close()
-        if self._receiver is None:  # else the receiver thread closes its own socket
-            self._ev.close()
-            self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+            if self._receiver is None:  # else the receiver thread closes the pipe when it ends
+                self._conn.close()
 
     def __enter__(self) -> EngineProcessClient:
         return self

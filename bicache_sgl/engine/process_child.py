@@ -4,8 +4,9 @@
 :func:`engine_main` loads the :class:`~bicache_sgl.engine.engine.Engine`, reports ``ready`` (or
 the startup error), then serves the parent's messages: submissions are queued on a small thread
 pool (seeding the constraint indexes the parent built, so none is built twice), aborts that
-arrive while their request is still being queued are applied right after, events go back
-through one sender thread (the engine's step only pays for a queue put).
+arrive while their request is still being queued are applied right after (a submission with
+nothing to build is queued on the message loop itself), events go back through one sender
+thread (the engine's step only pays for a queue put).
 
 Failure handling: the child leaves the parent's process group (a Ctrl-C or a ``kill -TERM -PGID``
 reaches the server, which drains and then stops the engine, instead of killing the engine under
@@ -26,9 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any
-
-import zmq
 
 from ..config import EngineConfig
 from ..constrained import token_table
@@ -73,13 +73,10 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="bicache-parent-watch", daemon=True).start()
 
 
-def _sender(ctx: zmq.Context, address: str, out: queue.SimpleQueue) -> None:
-    """Owns the child's PUSH socket. Drains ``out``; consecutive events go as one message.
-    ``None`` ends it (after everything queued before it was sent)."""
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 5000)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(address)
+def _sender(conn: Connection, out: queue.SimpleQueue) -> None:
+    """The only writer of the pipe to the parent. Drains ``out``; consecutive events go as one
+    message. ``None`` ends it (after everything queued before it was sent). A parent that is gone
+    ends it too (the parent watchdog then exits the process)."""
     try:
         stop = False
         while not stop:
@@ -95,19 +92,19 @@ def _sender(ctx: zmq.Context, address: str, out: queue.SimpleQueue) -> None:
                     events.append(it)
                     continue
                 if events:
-                    sock.send(dumps(("events", events)))
+                    conn.send_bytes(dumps(("events", events)))
                     events = []
                 if it is None:
                     stop = True
                     break
-                sock.send(dumps(it))
+                conn.send_bytes(dumps(it))
             if events:
-                sock.send(dumps(("events", events)))
-    finally:
-        sock.close()
+                conn.send_bytes(dumps(("events", events)))
+    except OSError:  # the parent closed its end (it exited or gave up on this process)
+        log.debug("the pipe to the server process closed")
 
 
-def engine_main(config: EngineConfig, req_address: str, event_address: str, log_level: str) -> None:
+def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
     """Entry point of the engine process (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle (it drains first)
     try:
@@ -117,20 +114,14 @@ def engine_main(config: EngineConfig, req_address: str, event_address: str, log_
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format=LOG_FORMAT,
                         stream=sys.stderr, force=True)
     _watch_parent()
-    ctx = zmq.Context()
     out: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=_sender, args=(ctx, event_address, out), name="bicache-engine-sender",
-                              daemon=True)
+    sender = threading.Thread(target=_sender, args=(conn, out), name="bicache-engine-sender", daemon=True)
     sender.start()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.setsockopt(zmq.LINGER, 0)
-    inbox.connect(req_address)
 
     def finish(code: int) -> None:
         out.put(None)
-        sender.join(10.0)
-        inbox.close()
-        ctx.term()
+        sender.join(10.0)  # what was written is in the pipe: the parent reads it after this exits
+        conn.close()
         sys.exit(code)
 
     try:
@@ -201,15 +192,27 @@ def engine_main(config: EngineConfig, req_address: str, event_address: str, log_
                 engine.abort(rid)
 
     while True:
-        msg = pickle.loads(inbox.recv())
+        try:
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent closed its end without a shutdown message
+            log.warning("the server process closed the pipe; the engine process stops")
+            engine.shutdown(timeout=1.0)
+            finish(1)
+            return
+        msg = pickle.loads(raw)
         kind = msg[0]
         if kind == "submit":
-            # off the message loop (a constraint may still take seconds to build here), in a small
-            # pool: aborts, stats and flushes keep being answered meanwhile
             valid, reply_id, seeds = msg[1], msg[2], msg[3]
             with submitting_lock:
                 submitting.update(v.rid for v in valid)
-            submit_pool.submit(submit, valid, reply_id, seeds)
+            if seeds or any(v.greq.params.constraint is not None for v in valid):
+                # off the message loop (a constraint may still take seconds to build here), in a
+                # small pool: aborts, stats and flushes keep being answered meanwhile
+                submit_pool.submit(submit, valid, reply_id, seeds)
+            else:
+                # nothing to build: queueing is a few dict/list operations, cheaper here than the
+                # hop to a pool thread (which at concurrency 1 costs more than the submission)
+                submit(valid, reply_id, seeds)
         elif kind == "abort":
             with submitting_lock:
                 if msg[1] in submitting:  # its submit is still running: abort it right after

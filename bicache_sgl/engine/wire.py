@@ -1,7 +1,8 @@
 """What crosses between the server process and the engine process (engine/process.py is the
 server side, engine/process_child.py the engine side).
 
-Wire protocol (pickled tuples, two PUSH/PULL pairs over ``ipc://``, both bound by the parent):
+Wire protocol (pickled tuples, one message per ``send_bytes`` on a duplex ``multiprocessing``
+pipe, a Unix socket pair made by the parent before it starts the child):
 
 parent -> child:
   ``("submit", [ValidRequest], reply_id | None, [(regex, limits, IndexData)])``: requests the
@@ -17,8 +18,6 @@ child -> parent:
 from __future__ import annotations
 
 import pickle
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,12 +76,3 @@ def fill_logprob_texts(meta: dict[str, Any], decode: Callable[[int], str]) -> No
     for key in ("input_top_logprobs", "output_top_logprobs"):
         if isinstance(meta.get(key), list):
             meta[key] = [fill(x) for x in meta[key]]
-
-
-def ipc_dir() -> str:
-    """A fresh folder for the two ipc:// sockets (removed by the client at shutdown)."""
-    d = tempfile.mkdtemp(prefix="bicache-engine-")
-    if len(d) > 80:  # ipc:// paths are limited to ~107 bytes
-        shutil.rmtree(d, ignore_errors=True)
-        d = tempfile.mkdtemp(prefix="bicache-", dir="/tmp")
-    return d

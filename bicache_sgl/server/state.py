@@ -13,7 +13,7 @@ from fastapi import Request
 
 from bicache_sgl.constrained import cache_info as constraint_cache_info
 from bicache_sgl.engine.interface import EngineClient
-from bicache_sgl.engine.process import EngineDeadError
+from bicache_sgl.engine.process import EngineDeadError, EngineProcessClient
 from bicache_sgl.io_struct import RequestEvent
 from bicache_sgl.server.args import ServerArgs
 from bicache_sgl.server.bridge import Submission
@@ -52,6 +52,9 @@ class ServerState:
         # seconds) have a lane of their own, so a heavy build never holds a plain request either
         self.submit_pool = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="bicache-submit")
         self.constraint_pool = ThreadPoolExecutor(CONSTRAINT_SUBMIT_THREADS, thread_name_prefix="bicache-constraint")
+        # an engine process client with no queue limit submits with a pure validation and a one-way
+        # send, never waiting on the engine: such submissions run on the loop (bridge.Submission)
+        self.quick_submit = isinstance(engine, EngineProcessClient) and engine.submit_returns_at_once
         self._stats_call: asyncio.Future | None = None
         self._last_stats: dict[str, Any] = {}
         self._last_stats_at = 0.0
@@ -101,7 +104,10 @@ class ServerState:
     def new_submission(self, items: list[Item]) -> Submission:
         """A :class:`Submission` whose finished requests are counted in the metrics."""
         constrained = any(it.params.constraint is not None for it in items)
-        sub = Submission(self.engine, items, executor=self.constraint_pool if constrained else self.submit_pool)
+        # a constraint may be built while validating (milliseconds to seconds): never on the loop
+        inline = not constrained and self.quick_submit
+        sub = Submission(self.engine, items, executor=self.constraint_pool if constrained else self.submit_pool,
+                         inline=inline)
 
         def on_finish(i: int, ev: RequestEvent, elapsed: float) -> None:
             self.record_finish(sub.items[i], ev, elapsed, sub.first_output[i])
