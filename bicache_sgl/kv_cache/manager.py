@@ -68,7 +68,8 @@ class CacheGrant:
     resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
-    pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (slots, layer, rows)
+    # (slots, first layer, rows [layers, len(slots)]) per stored range: one table rectangle each
+    pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)
     touched: list[tuple[int, int]] = field(default_factory=list)  # prompt position ranges that get rows
 
 
@@ -131,7 +132,11 @@ class CacheManager:
         return MatchFacts(m.length, tuple(m.segments), held, ctx, shared)
 
     def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
-        """Allocate what the first forward writes: the planner's (positions, layers) ranges."""
+        """Allocate what the first forward writes: the planner's (positions, layers) ranges.
+
+        Each range (s, e, lo, hi) gets one block of rows, ``[hi - lo, e - s]`` layer-major, so
+        commit binds it as one rectangle of the table and a layer's rows of a range are one
+        contiguous slice of the allocation (an ascending run when the free list gives one)."""
         ranges = plan.store
         n_rows = sum((e - s) * (hi - lo) for s, e, lo, hi in ranges)
         n_new = prompt_len - matched
@@ -143,27 +148,45 @@ class CacheManager:
         slots = np.concatenate([grant.matched_slots, new_slots])
         self.in_flight_tokens += tokens_needed
         self.in_flight_rows += n_rows
-        layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
-        by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
-        per_layer: list[tuple[int, np.ndarray]] = []
+        all_rows = self.pool.rows.alloc(n_rows)
+        blocks: list[np.ndarray] = []  # [hi - lo, e - s] per range, views of all_rows
+        off = 0
+        for s, e, lo, hi in ranges:
+            n = (e - s) * (hi - lo)
+            block = all_rows[off:off + n].reshape(hi - lo, e - s)
+            blocks.append(block)
+            grant.pending.append((slots[s:e], lo, block))
+            off += n
+        # The forward reads per layer (positions, rows). A layer inside one range reads a slice
+        # of the one device copy; a layer inside several reads their rows concatenated, appended
+        # to the same host buffer so there is still one host -> device copy.
+        per_layer: list[tuple[int, tuple[int, ...]]] = []
         for layer in range(self.pool.n_layers):
             active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= layer < hi)
-            if not active:
-                continue
+            if active:
+                per_layer.append((layer, active))
+        starts = np.cumsum([0] + [(e - s) * (hi - lo) for s, e, lo, hi in ranges])
+        extra: list[np.ndarray] = []
+        where: list[tuple[int, int]] = []  # (offset, length) of each layer's rows in the host buffer
+        tail = n_rows
+        for layer, active in per_layer:
+            if len(active) == 1:
+                j = active[0]
+                s, e, lo, _ = ranges[j]
+                where.append((int(starts[j]) + (layer - lo) * (e - s), e - s))
+            else:
+                part = np.concatenate([blocks[j][layer - ranges[j][2]] for j in active])
+                extra.append(part)
+                where.append((tail, len(part)))
+                tail += len(part)
+        dev = self.pool.to_device(np.concatenate([all_rows, *extra]) if extra else all_rows)
+        by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
+        layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        for (layer, active), (o, n) in zip(per_layer, where):
             if active not in by_set:
                 by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
                                                  for j in active])
-            per_layer.append((layer, by_set[active]))
-        # one allocation and one device copy for all layers (the same rows as one alloc per layer,
-        # in order); each layer's rows are a slice of them
-        all_rows = self.pool.rows.alloc(n_rows)
-        dev_rows = self.pool.to_device(all_rows)
-        off = 0
-        for layer, pos_l in per_layer:
-            n = len(pos_l)
-            grant.pending.append((slots[pos_l], layer, all_rows[off:off + n]))
-            layers[layer] = (pos_l, dev_rows[off:off + n])
-            off += n
+            layers[layer] = (by_set[active], dev[o:o + n])
         grant.new_slots = new_slots
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
@@ -179,13 +202,13 @@ class CacheManager:
         new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
         self.in_flight_tokens -= len(new_slots)
         if pending:
-            slots = np.concatenate([sl for sl, _, _ in pending])
-            layers = np.repeat(np.array([layer for _, layer, _ in pending], dtype=np.int64),
-                               [len(sl) for sl, _, _ in pending])
-            rows = np.concatenate([r for _, _, r in pending])
-            self.in_flight_rows -= len(rows)
             ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
-            self.pool.rows.free(self.pool.bind(slots, layers, rows, ctx))  # rows a concurrent upgrade beat
+            lost = []
+            for slots, lo, block in pending:  # one rectangle of the table per stored range
+                self.in_flight_rows -= block.size
+                lost.append(self.pool.bind_block(slots, lo, block, ctx))
+            self.pool.rows.free(np.concatenate(lost))  # rows a concurrent upgrade beat
+            self.pool.contexts.forget(ctx)  # nothing bound (every row lost): drop the registration
         handle, new_leaf = grant.handle, None
         if len(new_slots):
             try:
@@ -217,9 +240,9 @@ class CacheManager:
         """The request is leaving (finished, aborted or failed). Idempotent."""
         if grant.capture is not None:
             grant.capture = None
-            for _, _, rows in grant.pending:
-                self.pool.rows.free(rows)
-                self.in_flight_rows -= len(rows)
+            for _, _, block in grant.pending:
+                self.pool.rows.free(block)
+                self.in_flight_rows -= block.size
             grant.pending = []
             self.pool.tokens.free(grant.new_slots)
             self.in_flight_tokens -= len(grant.new_slots)

@@ -216,6 +216,36 @@ class KVPool:
         self.contexts.ref(ctx, len(rows_new))
         return lost
 
+    def bind_block(self, slots: np.ndarray, lo: int, rows: np.ndarray, ctx: int) -> np.ndarray:
+        """:meth:`bind` for one rectangle: ``rows[i, j]`` [k, n] becomes the row of token
+        ``slots[j]`` at layer ``lo + i``, captured in ``ctx``. Returns the rows not bound (that
+        slot already had that layer: a concurrent upgrade won)."""
+        k, n = rows.shape
+        if k == 0 or n == 0:
+            return rows.reshape(-1)[:0]
+        if n != len(slots) or not 0 <= lo <= lo + k <= self.n_layers:
+            raise ValueError(f"bind_block: rows {rows.shape} do not fit {len(slots)} slots at layers "
+                             f"[{lo}, {lo + k}) of {self.n_layers}")
+        a = int(slots[0])
+        # token slots come off the free list in ascending runs: a run is a basic slice of the
+        # tables (views, no gather); otherwise one fancy index per table
+        run = bool(slots[-1] - a == n - 1) and bool((np.diff(slots) == 1).all())
+        cut = np.s_[a:a + n, lo:lo + k] if run else np.s_[slots, lo:lo + k]
+        old = self.table[cut]  # [n, k]
+        new = old < 0
+        vals = rows.T
+        if new.all():
+            self.table[cut] = vals
+            self.ctx[cut] = ctx
+            self.contexts.ref(ctx, vals.size)
+            return rows.reshape(-1)[:0]
+        self.table[cut] = np.where(new, vals, old)
+        self.ctx[cut] = np.where(new, ctx, self.ctx[cut])
+        n_new = int(np.count_nonzero(new))
+        if n_new:
+            self.contexts.ref(ctx, n_new)
+        return vals[~new]
+
     def drop_layers(self, slots: np.ndarray, from_layer: int | np.ndarray) -> int:
         """Free the rows of layers >= ``from_layer`` of ``slots`` (one layer for all, or one per
         slot: a batch of trims in one call); returns rows freed."""
