@@ -52,13 +52,22 @@ class RequestFacts:
 @dataclass(frozen=True)
 class MatchFacts:
     """The radix match, per token and layer. ``held[t, l]``: the row exists; ``ctx[t, l]`` its
-    capture context id; ``shared[c] = (lcp, capture_len)`` for every context id in ``ctx``."""
+    capture context id; ``shared[c] = (lcp, capture_len)`` for every context id in ``ctx``.
+    ``runs``, when given, are the first tokens of the runs of equal ``(ctx, held)`` rows (0 first,
+    ascending; see :func:`run_starts`), so the planner reads one row per run."""
 
     length: int
     segments: tuple[tuple[int, int], ...]  # (end_len, node_depth) per node on the path
     held: np.ndarray  # bool [length, L]
     ctx: np.ndarray  # int64 [length, L], -1 where no row
     shared: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    runs: np.ndarray | None = None  # int64 [runs]
+
+    def run_starts(self) -> np.ndarray:
+        """``runs``, or computed from ``ctx`` and ``held``."""
+        if self.runs is not None:
+            return self.runs
+        return run_starts(self.ctx, self.held)
 
 
 @dataclass(frozen=True)
@@ -117,10 +126,8 @@ def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
     # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
-    ctx, held = match.ctx, match.held
-    change = np.flatnonzero((ctx[1:] != ctx[:-1]).any(axis=1) | (held[1:] != held[:-1]).any(axis=1)) + 1
-    starts = np.concatenate([[0], change])
-    ctx_r, held_r = ctx[starts], held[starts]
+    starts = match.run_starts()
+    ctx_r, held_r = match.ctx[starts], match.held[starts]
     # the depth each row's context allows (0 where there is no row)
     lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
@@ -128,6 +135,18 @@ def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple
     ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & held_r
     per_run = np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64)
     return np.repeat(per_run, np.diff(np.concatenate([starts, [m]]))), r_of
+
+
+def run_starts(ctx: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
+    """First token of each run of equal rows of ``ctx`` [m, L] (and of ``held``: pass None when
+    ``held`` is exactly ``ctx >= 0``, as in the pool, where a row is bound exactly where it has a
+    capture context)."""
+    if len(ctx) == 0:
+        return np.zeros(0, dtype=np.int64)
+    change = (ctx[1:] != ctx[:-1]).any(axis=1)
+    if held is not None:
+        change |= (held[1:] != held[:-1]).any(axis=1)
+    return np.concatenate([[0], np.flatnonzero(change) + 1]).astype(np.int64)
 
 
 def contexts_in(ctx: np.ndarray) -> list[int]:
@@ -196,7 +215,12 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
-            r_bind = min(r_of[c] for c in contexts_in(match.ctx[start:end, :depth + 1]))
+            # rows are equal within a run, so the runs' first rows hold every context of the span
+            runs = match.run_starts()
+            first = int(np.searchsorted(runs, start, side="right")) - 1
+            last = int(np.searchsorted(runs, end, side="left"))
+            reps = np.concatenate([[start], runs[first + 1:last]])
+            r_bind = min(r_of[c] for c in contexts_in(match.ctx[reps, :depth + 1]))
     audit = False
     if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
         audit = engine_policy.audit.should_audit(r_bind)

@@ -41,7 +41,7 @@ import torch
 
 from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_prefix_len
 
-from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse
+from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse, run_starts
 from ..bicache.policy import DepthPolicy
 from .pool import KVPool
 from .store import Capture, SeqKV
@@ -123,13 +123,14 @@ class CacheManager:
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
         """The match per token and layer: which rows exist, their capture contexts, and how much
         each context shares with ``prompt``."""
-        ctx = self.pool.ctx[slots]
+        ctx = self.pool.ctx[slots]  # [m, L]
         held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
-        ids = contexts_in(ctx)
+        runs = run_starts(ctx)  # so held needs no comparison of its own
+        ids = contexts_in(ctx[runs])  # rows are equal within a run
         me = np.asarray(prompt, dtype=np.int64)
         contexts = self.pool.contexts
         shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in ids}
-        return MatchFacts(m.length, tuple(m.segments), held, ctx, shared)
+        return MatchFacts(m.length, tuple(m.segments), held, ctx, shared, runs)
 
     def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
         """Allocate what the first forward writes: the planner's (positions, layers) ranges.
