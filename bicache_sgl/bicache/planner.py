@@ -53,21 +53,31 @@ class RequestFacts:
 class MatchFacts:
     """The radix match, per token and layer. ``held[t, l]``: the row exists; ``ctx[t, l]`` its
     capture context id; ``shared[c] = (lcp, capture_len)`` for every context id in ``ctx``.
-    ``runs``, when given, are the first tokens of the runs of equal ``(ctx, held)`` rows (0 first,
-    ascending; see :func:`run_starts`), so the planner reads one row per run."""
+
+    Run-compressed form: with ``runs`` given (the first token of each run of tokens whose
+    ``(ctx, held)`` rows are equal: 0 first, ascending), ``held`` and ``ctx`` hold one row per run,
+    ``[len(runs), L]``; the pool builds this form from its capture classes without reading every
+    row of the match."""
 
     length: int
     segments: tuple[tuple[int, int], ...]  # (end_len, node_depth) per node on the path
-    held: np.ndarray  # bool [length, L]
-    ctx: np.ndarray  # int64 [length, L], -1 where no row
+    held: np.ndarray  # bool [length, L], or [runs, L]
+    ctx: np.ndarray  # int64 [length, L], or [runs, L]; -1 where no row
     shared: Mapping[int, tuple[int, int]] = field(default_factory=dict)
     runs: np.ndarray | None = None  # int64 [runs]
 
-    def run_starts(self) -> np.ndarray:
-        """``runs``, or computed from ``ctx`` and ``held``."""
+    def __post_init__(self) -> None:
+        n = self.length if self.runs is None else len(self.runs)
+        if self.ctx.shape[:1] != (n,) or self.held.shape != self.ctx.shape:
+            raise ValueError(f"MatchFacts: ctx {self.ctx.shape} and held {self.held.shape} must be "
+                             f"[{n}, L] ({'one row per run' if self.runs is not None else 'one row per token'})")
+
+    def run_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(run starts, ctx [runs, L], held [runs, L]): one row per run of equal rows."""
         if self.runs is not None:
-            return self.runs
-        return run_starts(self.ctx, self.held)
+            return self.runs, self.ctx, self.held
+        starts = run_starts(self.ctx, self.held)
+        return starts, self.ctx[starts], self.held[starts]
 
 
 @dataclass(frozen=True)
@@ -120,14 +130,13 @@ def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPoli
 def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple[np.ndarray, dict[int, float]]:
     """Per matched token, the leading layers that exist and pass the capture-context rule under
     ``policy``; and the shared fraction of each capture context."""
-    m, L = match.held.shape
+    m, L = match.length, match.ctx.shape[1]
     if m == 0:
         return np.zeros(0, dtype=np.int64), {}
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
     # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
-    starts = match.run_starts()
-    ctx_r, held_r = match.ctx[starts], match.held[starts]
+    starts, ctx_r, held_r = match.run_rows()
     # the depth each row's context allows (0 where there is no row)
     lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
@@ -216,11 +225,10 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
             # rows are equal within a run, so the runs' first rows hold every context of the span
-            runs = match.run_starts()
+            runs, ctx_r, _ = match.run_rows()
             first = int(np.searchsorted(runs, start, side="right")) - 1
             last = int(np.searchsorted(runs, end, side="left"))
-            reps = np.concatenate([[start], runs[first + 1:last]])
-            r_bind = min(r_of[c] for c in contexts_in(match.ctx[reps, :depth + 1]))
+            r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
     audit = False
     if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
         audit = engine_policy.audit.should_audit(r_bind)

@@ -41,7 +41,7 @@ import torch
 
 from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_prefix_len
 
-from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse, run_starts
+from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse
 from ..bicache.policy import DepthPolicy
 from .pool import KVPool
 from .store import Capture, SeqKV
@@ -121,15 +121,20 @@ class CacheManager:
                 grant.resume_rows = self.pool.table[slots[a:p], d - 1].copy()
 
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
-        """The match per token and layer: which rows exist, their capture contexts, and how much
-        each context shares with ``prompt``."""
-        ctx = self.pool.ctx[slots]  # [m, L]
+        """The match in runs of equally captured tokens (one ``KVPool.cls`` label per token, then
+        one ctx row per run): which rows exist, their capture contexts, and how much each context
+        shares with ``prompt``."""
+        pool = self.pool
+        if len(slots) == 0:
+            empty = np.zeros((0, pool.n_layers), dtype=np.int64)
+            return MatchFacts(m.length, tuple(m.segments), empty >= 0, empty, {})
+        cls = pool.cls[slots]
+        runs = np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
+        ctx = pool.ctx[slots[runs]]  # [runs, L]: equal class => equal row (KVPool docstring)
         held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
-        runs = run_starts(ctx)  # so held needs no comparison of its own
-        ids = contexts_in(ctx[runs])  # rows are equal within a run
         me = np.asarray(prompt, dtype=np.int64)
-        contexts = self.pool.contexts
-        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in ids}
+        contexts = pool.contexts
+        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in contexts_in(ctx)}
         return MatchFacts(m.length, tuple(m.segments), held, ctx, shared, runs)
 
     def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
@@ -365,6 +370,7 @@ class CacheManager:
         assert dict(zip(ids.tolist(), counts.tolist())) == {c: n for c, n in refs.items() if n}, \
             "capture-context reference counts do not match the rows that refer to them"
         assert len(pool.contexts) == len(ids), "a capture context is kept that no row refers to"
+        pool.check_exact_classes(np.arange(pool.token_capacity))
 
 
 def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager:

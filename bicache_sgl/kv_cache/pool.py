@@ -23,6 +23,13 @@ request's prompt tokens and the length of the sequence its forward saw, generati
 included). A row may serve a request only to the depth the planner derives from the shared
 fraction of the two sequences (bicache/planner.py); the pool only keeps the record.
 
+Capture classes. ``cls[slot]`` is an int64 label with one guarantee: two slots with the same label
+have equal ``ctx`` rows (and so equal table occupancy). Every change of a slot's ctx row gives it
+a fresh label that depends only on its old label and the change, so tokens captured together
+keep sharing one label and a match is cut into runs of equal rows by comparing one label per
+token instead of L contexts per token. Labels may split a class of equal rows (harmless: one
+more run); they never join unequal rows (``check_exact_classes``).
+
 Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
 """
 
@@ -137,6 +144,8 @@ class KVPool:
         self.table = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)
         self.ctx = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)  # capture context per row
         self.contexts = CaptureContexts()
+        self.cls = np.zeros(token_capacity, dtype=np.int64)  # capture class per slot (module docstring)
+        self._next_cls = 1
         self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
                                       device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
 
@@ -200,6 +209,21 @@ class KVPool:
         return rows
 
     # Bookkeeping (host only).
+    def _relabel(self, cut, key: np.ndarray | None = None) -> None:
+        """Fresh capture classes for ``cls[cut]`` after a change that is the same function of the old
+        row for all of them (``key``: a per-slot parameter of the change, e.g. its first dropped
+        layer): slots that shared a class and a key share the new one."""
+        old = self.cls[cut]
+        if key is not None:
+            old = old * (self.n_layers + 1) + np.asarray(key, dtype=np.int64)
+        if old.size and old.min() == old.max():  # the common case: one class in, one out
+            self.cls[cut] = self._next_cls
+            self._next_cls += 1
+            return
+        _, inv = np.unique(old, return_inverse=True)
+        self.cls[cut] = self._next_cls + inv.reshape(-1)
+        self._next_cls += int(inv.max()) + 1 if inv.size else 0
+
     def bind(self, slots: np.ndarray, layers: np.ndarray, rows: np.ndarray, ctx: int) -> np.ndarray:
         """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``, captured in
         context ``ctx`` (from ``contexts.new``); returns the rows NOT bound because the slot
@@ -214,6 +238,10 @@ class KVPool:
         table[flat] = rows_new
         ctxs[flat] = ctx
         self.contexts.ref(ctx, len(rows_new))
+        # each slot's change depends on which of its layers were listed: a fresh class per slot
+        touched = np.unique(slots)
+        self.cls[touched] = self._next_cls + np.arange(len(touched))
+        self._next_cls += len(touched)
         return lost
 
     def bind_block(self, slots: np.ndarray, lo: int, rows: np.ndarray, ctx: int) -> np.ndarray:
@@ -234,6 +262,9 @@ class KVPool:
         old = self.table[cut]  # [n, k]
         new = old < 0
         vals = rows.T
+        # the new row of each slot is a function of its old row (which layers it lacked), so one
+        # class in gives one class out
+        self._relabel(np.s_[a:a + n] if run else slots)
         if new.all():
             self.table[cut] = vals
             self.ctx[cut] = ctx
@@ -260,6 +291,7 @@ class KVPool:
         rows = part[have]
         if rows.size == 0:
             return 0
+        self._relabel(slots, None if np.ndim(from_layer) == 0 else from_layer)
         ctx = self.ctx[cut]
         self.contexts.unref(ctx[have])
         ctx[have] = -1
@@ -269,6 +301,16 @@ class KVPool:
         # later node are contiguous (gathers read runs of memory, not every L-th row)
         self.rows.free(np.sort(rows))
         return int(rows.size)
+
+    def check_exact_classes(self, slots: np.ndarray) -> None:
+        """Assert the capture-class guarantee over ``slots``: equal class => equal ctx rows."""
+        if len(slots) == 0:
+            return
+        order = np.argsort(self.cls[slots], kind="stable")
+        c, rows = self.cls[slots][order], self.ctx[slots][order]
+        same = c[1:] == c[:-1]
+        bad = same & (rows[1:] != rows[:-1]).any(axis=1)
+        assert not bad.any(), "two token slots share a capture class but not their capture contexts"
 
     def free_tokens(self, slots: np.ndarray) -> int:
         """Free token slots and every row they hold; returns rows freed."""
