@@ -130,9 +130,17 @@ def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPoli
 def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple[np.ndarray, dict[int, float]]:
     """Per matched token, the leading layers that exist and pass the capture-context rule under
     ``policy``; and the shared fraction of each capture context."""
+    bounds, per_run, r_of = usable_runs(policy, match, seq_len)
+    return np.repeat(per_run, np.diff(bounds)), r_of
+
+
+def usable_runs(policy: DepthPolicy, match: MatchFacts,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
+    """:func:`usable_depths` per run: (bounds [runs + 1], usable depth per run [runs], the shared
+    fraction of each capture context); run i is tokens [bounds[i], bounds[i + 1])."""
     m, L = match.length, match.ctx.shape[1]
     if m == 0:
-        return np.zeros(0, dtype=np.int64), {}
+        return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), {}
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
     # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
@@ -143,7 +151,7 @@ def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple
         lim[ctx_r == c] = policy.target_depth(r)
     ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & held_r
     per_run = np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64)
-    return np.repeat(per_run, np.diff(np.concatenate([starts, [m]]))), r_of
+    return np.concatenate([starts, [m]]).astype(np.int64), per_run, r_of
 
 
 def run_starts(ctx: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
@@ -170,12 +178,19 @@ def contexts_in(ctx: np.ndarray) -> list[int]:
 def best_span(usable: np.ndarray) -> tuple[int, int, int]:
     """(start, end, depth) maximising (end - start) x depth with depth <= usable[start:end];
     ties go to the longer span. (0, 0, 0) when nothing is usable."""
+    return best_span_runs(np.arange(len(usable) + 1, dtype=np.int64), np.asarray(usable, dtype=np.int64))
+
+
+def best_span_runs(bounds: np.ndarray, usable: np.ndarray) -> tuple[int, int, int]:
+    """:func:`best_span` over runs of tokens with one usable depth each (run i: tokens
+    [bounds[i], bounds[i + 1]), depth usable[i]); the same answer as over the repeated tokens,
+    in O(runs) per candidate depth."""
     best = (0, 0, 0)
     best_gain = 0
     for d in np.unique(usable[usable > 0]).tolist():
         mask = np.concatenate([[False], usable >= d, [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])
-        starts, ends = edges[0::2], edges[1::2]
+        starts, ends = bounds[edges[0::2]], bounds[edges[1::2]]
         i = int(np.argmax(ends - starts))
         s, e = int(starts[i]), int(ends[i])
         gain = (e - s) * d
@@ -219,8 +234,8 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     start = end = depth = 0
     r_bind = 0.0
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
-        usable, r_of = usable_depths(policy, match, facts.seq_len)
-        start, end, depth = best_span(usable)
+        bounds, usable, r_of = usable_runs(policy, match, facts.seq_len)
+        start, end, depth = best_span_runs(bounds, usable)
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
