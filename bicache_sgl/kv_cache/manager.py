@@ -237,7 +237,7 @@ class CacheManager:
             start, end = end, end + len(node.value)
             if not any(s < end and start < e for s, e in touched):
                 continue
-            held = self.pool.held_depth(node.value)
+            held = self.pool.held_depth_by_class(node.value)
             if held > node.depth:
                 self.upgrades += node is not new_leaf
                 self.index.set_depth(node, held)

@@ -160,8 +160,15 @@ class KVPool:
 
     def free_seq(self, kv: SeqKV) -> None:
         owned = kv.owned
-        self.request_rows.free(owned[owned >= 0])
+        if owned.ndim == 2 and len(kv.given) == 1:
+            # one reused rectangle [:d, a:e] (-1): the private rows are the three slices around it
+            d, a, e = kv.given[0]
+            parts = [owned[d:].ravel(), owned[:d, :a].ravel(), owned[:d, e:].ravel()]
+            self.request_rows.free(np.concatenate(parts))
+        else:
+            self.request_rows.free(owned[owned >= 0])
         kv.owned = np.zeros(0, dtype=np.int64)
+        kv.given = []
 
     def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int, start: int = 0) -> None:
         """Point ``kv``'s positions [start, start + len(slots)) at layers < depth to the cached rows
@@ -169,10 +176,11 @@ class KVPool:
         replace."""
         end = start + len(slots)
         block = kv.owned[:depth, start:end]  # [depth, n] view of the private rows given back
-        replaced = block[block >= 0]
+        replaced = block.ravel() if not kv.given and block.size else block[block >= 0]
         kv.rows[:depth, start:end] = self.rows_of(slots, depth)
         self.request_rows.free(replaced)
         block[...] = -1  # O(reused rows), no set difference over the whole sequence
+        kv.given.append((depth, start, end))
 
     @property
     def token_capacity(self) -> int:
@@ -202,11 +210,26 @@ class KVPool:
         full = have.all(axis=0)
         return int(np.argmin(full)) if not full.all() else self.n_layers
 
+    def class_runs(self, slots: np.ndarray) -> np.ndarray:
+        """Indices into ``slots`` of the first token of each run of equal capture classes (equal
+        ctx rows, so equal held layers)."""
+        if len(slots) == 0:
+            return np.zeros(0, dtype=np.int64)
+        cls = self.cls[slots]
+        return np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
+
+    def held_depth_by_class(self, slots: np.ndarray) -> int:
+        """:meth:`held_depth` from one ctx row per run of equal capture classes (a row is bound
+        exactly where it has a context), not the whole ``[n, L]`` table."""
+        if len(slots) == 0:
+            return self.n_layers
+        full = (self.ctx[slots[self.class_runs(slots)]] >= 0).all(axis=0)
+        return int(np.argmin(full)) if not full.all() else self.n_layers
+
     def rows_of(self, slots: np.ndarray, depth: int) -> np.ndarray:
         """[depth, n] rows of layers < depth (all must exist)."""
-        rows = self.table[slots, :depth].T
-        assert (rows >= 0).all(), "reading a layer the node does not hold"
-        return rows
+        assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
+        return self.table[slots, :depth].T
 
     # Bookkeeping (host only).
     def _relabel(self, cut, key: np.ndarray | None = None) -> None:
