@@ -35,6 +35,7 @@ import logging
 from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -68,8 +69,9 @@ class CacheGrant:
     resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
-    # (slots, first layer, rows [layers, len(slots)]) per stored range: one table rectangle each
-    pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)
+    # (slots, first layer, rows [layers, len(slots)], slots are new) per stored range: one table
+    # rectangle each
+    pending: list[tuple[np.ndarray, int, np.ndarray, bool]] = field(default_factory=list)
     touched: list[tuple[int, int]] = field(default_factory=list)  # prompt position ranges that get rows
 
 
@@ -161,17 +163,23 @@ class CacheManager:
             n = (e - s) * (hi - lo)
             block = all_rows[off:off + n].reshape(hi - lo, e - s)
             blocks.append(block)
-            grant.pending.append((slots[s:e], lo, block))
+            # a range over new tokens binds into empty slots (fresh off the free list, whose rows
+            # free_tokens dropped); one over matched tokens may race a concurrent upgrade
+            grant.pending.append((slots[s:e], lo, block, s >= matched))
             off += n
         # The forward reads per layer (positions, rows). A layer inside one range reads a slice
         # of the one device copy; a layer inside several reads their rows concatenated, appended
         # to the same host buffer so there is still one host -> device copy.
+        # the active ranges change only at a range's first or end layer: one set per interval
+        cuts = sorted({0, self.pool.n_layers, *(x for _, _, lo, hi in ranges for x in (lo, hi))})
         per_layer: list[tuple[int, tuple[int, ...]]] = []
-        for layer in range(self.pool.n_layers):
-            active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= layer < hi)
+        for l0, l1 in pairwise(cuts):
+            active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= l0 < hi)
             if active:
-                per_layer.append((layer, active))
-        starts = np.cumsum([0] + [(e - s) * (hi - lo) for s, e, lo, hi in ranges])
+                per_layer.extend((layer, active) for layer in range(l0, l1))
+        starts = [0]
+        for s, e, lo, hi in ranges:
+            starts.append(starts[-1] + (e - s) * (hi - lo))
         extra: list[np.ndarray] = []
         where: list[tuple[int, int]] = []  # (offset, length) of each layer's rows in the host buffer
         tail = n_rows
@@ -179,7 +187,7 @@ class CacheManager:
             if len(active) == 1:
                 j = active[0]
                 s, e, lo, _ = ranges[j]
-                where.append((int(starts[j]) + (layer - lo) * (e - s), e - s))
+                where.append((starts[j] + (layer - lo) * (e - s), e - s))
             else:
                 part = np.concatenate([blocks[j][layer - ranges[j][2]] for j in active])
                 extra.append(part)
@@ -189,10 +197,11 @@ class CacheManager:
         by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
         layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
         for (layer, active), (o, n) in zip(per_layer, where):
-            if active not in by_set:
-                by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
-                                                 for j in active])
-            layers[layer] = (by_set[active], dev[o:o + n])
+            pos = by_set.get(active)
+            if pos is None:
+                pos = by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
+                                                       for j in active])
+            layers[layer] = (pos, dev[o:o + n])
         grant.new_slots = new_slots
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
@@ -210,9 +219,9 @@ class CacheManager:
         if pending:
             ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
             lost = []
-            for slots, lo, block in pending:  # one rectangle of the table per stored range
+            for slots, lo, block, fresh in pending:  # one rectangle of the table per stored range
                 self.in_flight_rows -= block.size
-                lost.append(self.pool.bind_block(slots, lo, block, ctx))
+                lost.append(self.pool.bind_block(slots, lo, block, ctx, fresh=fresh))
             self.pool.rows.free(np.concatenate(lost))  # rows a concurrent upgrade beat
             self.pool.contexts.forget(ctx)  # nothing bound (every row lost): drop the registration
         handle, new_leaf = grant.handle, None
@@ -246,7 +255,7 @@ class CacheManager:
         """The request is leaving (finished, aborted or failed). Idempotent."""
         if grant.capture is not None:
             grant.capture = None
-            for _, _, block in grant.pending:
+            for _, _, block, _ in grant.pending:
                 self.pool.rows.free(block)
                 self.in_flight_rows -= block.size
             grant.pending = []

@@ -267,10 +267,11 @@ class KVPool:
         self._next_cls += len(touched)
         return lost
 
-    def bind_block(self, slots: np.ndarray, lo: int, rows: np.ndarray, ctx: int) -> np.ndarray:
+    def bind_block(self, slots: np.ndarray, lo: int, rows: np.ndarray, ctx: int, fresh: bool = False) -> np.ndarray:
         """:meth:`bind` for one rectangle: ``rows[i, j]`` [k, n] becomes the row of token
         ``slots[j]`` at layer ``lo + i``, captured in ``ctx``. Returns the rows not bound (that
-        slot already had that layer: a concurrent upgrade won)."""
+        slot already had that layer: a concurrent upgrade won). ``fresh``: the caller guarantees
+        the slots hold no row (just allocated, not yet in the index), so nothing is compared."""
         k, n = rows.shape
         if k == 0 or n == 0:
             return rows.reshape(-1)[:0]
@@ -282,13 +283,14 @@ class KVPool:
         # tables (views, no gather); otherwise one fancy index per table
         run = bool(slots[-1] - a == n - 1) and bool((np.diff(slots) == 1).all())
         cut = np.s_[a:a + n, lo:lo + k] if run else np.s_[slots, lo:lo + k]
-        old = self.table[cut]  # [n, k]
-        new = old < 0
         vals = rows.T
         # the new row of each slot is a function of its old row (which layers it lacked), so one
         # class in gives one class out
         self._relabel(np.s_[a:a + n] if run else slots)
-        if new.all():
+        if not fresh:
+            old = self.table[cut]  # [n, k]
+            new = old < 0
+        if fresh or new.all():
             self.table[cut] = vals
             self.ctx[cut] = ctx
             self.contexts.ref(ctx, vals.size)
