@@ -210,3 +210,19 @@ def test_bind_block_equals_flat_bind() -> None:
 
 class _Shape6:
     n_layers, n_kv_heads, head_dim, hidden_size, kv_dim = 6, 1, 1, 1, 1
+
+
+def test_copy_rows_to_equals_the_gathered_rows() -> None:
+    import torch
+    rng = np.random.default_rng(7)
+    pool = KVPool(_Shape6(), 64, 64 * 6, 4, torch.float32, torch.device("cpu"))
+    slots = pool.tokens.alloc(64)
+    ctx = pool.contexts.new(np.arange(3), 10)
+    pool.bind_block(slots, 0, pool.rows.alloc(6 * 64).reshape(6, 64), ctx)
+    for runs in (1, 3, 40):  # contiguous runs of slots, and scattered slots (one gather)
+        cut = np.sort(rng.choice(np.arange(1, 64), runs - 1, replace=False)) if runs > 1 else []
+        parts = np.split(rng.permutation(64), cut) if runs == 40 else np.split(np.arange(64), cut)
+        sl = np.concatenate([np.sort(p) for p in parts])[:50]
+        out = np.full((6, 50), -7, dtype=np.int64)
+        pool.copy_rows_to(out, sl, 4)
+        assert np.array_equal(out[:4], pool.table[sl, :4].T) and (out[4:] == -7).all()

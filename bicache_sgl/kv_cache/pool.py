@@ -35,6 +35,8 @@ Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import torch
 
@@ -177,7 +179,7 @@ class KVPool:
         end = start + len(slots)
         block = kv.owned[:depth, start:end]  # [depth, n] view of the private rows given back
         replaced = block.ravel() if not kv.given and block.size else block[block >= 0]
-        kv.rows[:depth, start:end] = self.rows_of(slots, depth)
+        self.copy_rows_to(kv.rows[:, start:end], slots, depth)
         self.request_rows.free(replaced)
         block[...] = -1  # O(reused rows), no set difference over the whole sequence
         kv.given.append((depth, start, end))
@@ -225,6 +227,22 @@ class KVPool:
             return self.n_layers
         full = (self.ctx[slots[self.class_runs(slots)]] >= 0).all(axis=0)
         return int(np.argmin(full)) if not full.all() else self.n_layers
+
+    def copy_rows_to(self, out: np.ndarray, slots: np.ndarray, depth: int) -> None:
+        """``out[:depth] = rows_of(slots, depth)`` ([depth, n]), reading each contiguous run of
+        slots as one slice of the table (a match is a few such runs: its nodes' slots come off
+        the free list in ascending runs) instead of gathering every row."""
+        assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
+        n = len(slots)
+        if n == 0 or depth == 0:
+            return
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        if len(breaks) > 16:  # scattered slots: one gather
+            out[:depth] = self.table[slots, :depth].T
+            return
+        for i, j in pairwise([0, *breaks.tolist(), n]):
+            a = int(slots[i])
+            out[:depth, i:j] = self.table[a:a + j - i, :depth].T
 
     def rows_of(self, slots: np.ndarray, depth: int) -> np.ndarray:
         """[depth, n] rows of layers < depth (all must exist)."""
