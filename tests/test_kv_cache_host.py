@@ -226,3 +226,46 @@ def test_copy_rows_to_equals_the_gathered_rows() -> None:
         out = np.full((6, 50), -7, dtype=np.int64)
         pool.copy_rows_to(out, sl, 4)
         assert np.array_equal(out[:4], pool.table[sl, :4].T) and (out[4:] == -7).all()
+
+
+def test_capture_rows_per_layer_are_the_rows_commit_binds() -> None:
+    """Over a replay with upgrades (several stored ranges per request), every layer's capture
+    (positions, device rows) names exactly the rows the commit then binds for those tokens, and
+    the integrity check (capture classes included) holds after every request."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    from bicache_sgl.bicache.planner import RequestFacts
+
+    L = 8
+    cache = bench.make_cache(L, 6000, 6000 * L, L * (256 + bench.GEN))
+    bench.fill(cache, 60, 0)
+    trace = bench.Trace(256, 0)
+    multi, prompt = 0, trace.next()
+    for i in range(40):
+        # every third request repeats the previous prompt beside a short generation region: a
+        # larger shared fraction, so it reuses and upgrades its own rows (several stored ranges)
+        prompt, n = (prompt, len(prompt) + 16) if i % 3 == 2 else (trace.next(), None)
+        n = n or len(prompt) + bench.GEN
+        grant = cache.admit(prompt, RequestFacts(len(prompt), n))
+        kv = cache.pool.alloc_seq(n)
+        cache.share(grant, kv)
+        slots = np.concatenate([grant.matched_slots, grant.new_slots])
+        layers = dict(grant.capture.layers) if grant.capture is not None else {}
+        multi += len(grant.plan.store) > 1
+        cache.commit(prompt, grant, n)
+        kept = np.isin(slots, cache.index.all_values())  # a new token cached meanwhile is given back
+        for layer, (pos, rows) in layers.items():
+            k = kept[pos]
+            assert np.array_equal(cache.pool.table[slots[pos][k], layer], rows.numpy()[k]), layer
+            assert k.sum() >= len(pos) - 1
+        cache.release(grant)
+        cache.pool.free_seq(kv)
+        cache.check_integrity()
+    assert multi > 0  # the replay did store several ranges in one request

@@ -177,31 +177,34 @@ class CacheManager:
             active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= l0 < hi)
             if active:
                 per_layer.extend((layer, active) for layer in range(l0, l1))
-        starts = [0]
+        # the host buffer: all_rows (range j's layers in order, e - s rows each), then the
+        # concatenated rows of the layers inside several ranges; one device copy, split into views
+        sizes: list[int] = []
+        chunk0: list[int] = []  # index of range j's first layer chunk
         for s, e, lo, hi in ranges:
-            starts.append(starts[-1] + (e - s) * (hi - lo))
+            chunk0.append(len(sizes))
+            sizes.extend([e - s] * (hi - lo))
         extra: list[np.ndarray] = []
-        where: list[tuple[int, int]] = []  # (offset, length) of each layer's rows in the host buffer
-        tail = n_rows
+        which: list[int] = []  # each layer's chunk
         for layer, active in per_layer:
             if len(active) == 1:
                 j = active[0]
-                s, e, lo, _ = ranges[j]
-                where.append((starts[j] + (layer - lo) * (e - s), e - s))
+                which.append(chunk0[j] + layer - ranges[j][2])
             else:
                 part = np.concatenate([blocks[j][layer - ranges[j][2]] for j in active])
                 extra.append(part)
-                where.append((tail, len(part)))
-                tail += len(part)
+                which.append(len(sizes))
+                sizes.append(len(part))
         dev = self.pool.to_device(np.concatenate([all_rows, *extra]) if extra else all_rows)
+        chunks = torch.split(dev, sizes)  # views, one call (slicing per layer costs more)
         by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
         layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
-        for (layer, active), (o, n) in zip(per_layer, where):
+        for (layer, active), c in zip(per_layer, which):
             pos = by_set.get(active)
             if pos is None:
                 pos = by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
                                                        for j in active])
-            layers[layer] = (pos, dev[o:o + n])
+            layers[layer] = (pos, chunks[c])
         grant.new_slots = new_slots
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
