@@ -26,7 +26,13 @@ one null object): nothing matches, nothing is reserved or stored (``enabled`` is
 
 Invariants (``check_integrity``): token slots held + free + in flight == token capacity; rows
 bound in the table + free + in flight == row capacity; every node's tokens have rows exactly for
-layers < its depth; every bound row has a capture context, kept exactly while a row refers to it.
+layers < its depth; every bound row has a capture context, kept exactly while a row refers to it;
+two token slots with one capture class (``KVPool.cls``) have equal capture-context rows.
+
+Cost per request (examples/bench_host.py): the match is read in runs of equally captured tokens
+(one class label per token, one ctx row per run), each stored range is bound as one rectangle of
+the tables, and the reused rows are copied per contiguous run of slots; what remains O(rows) is
+writing the rows a request stores or reuses.
 """
 
 from __future__ import annotations
