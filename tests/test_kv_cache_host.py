@@ -269,3 +269,16 @@ def test_capture_rows_per_layer_are_the_rows_commit_binds() -> None:
         cache.pool.free_seq(kv)
         cache.check_integrity()
     assert multi > 0  # the replay did store several ranges in one request
+
+
+def test_free_parts_leaves_the_free_list_free_leaves() -> None:
+    from bicache_sgl.kv_cache.pool import SlotAllocator
+    a, b = SlotAllocator(200), SlotAllocator(200)
+    for alloc in (a, b):
+        alloc.alloc(120)
+    grid = np.arange(100).reshape(4, 25)
+    parts = [grid[2:], grid[:2, :5], grid[:2, 20:], np.array([110, 111])]
+    a.free_parts(parts)
+    b.free(np.concatenate([p.ravel() for p in parts]))
+    assert np.array_equal(a.free_set(), b.free_set()) and a.num_free == b.num_free
+    assert np.array_equal(a.alloc(a.num_free), b.alloc(b.num_free))

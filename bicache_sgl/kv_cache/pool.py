@@ -74,6 +74,21 @@ class SlotAllocator:
         self._free[self._n_free:self._n_free + slots.size] = slots[::-1]
         self._n_free += slots.size
 
+    def free_parts(self, parts: list[np.ndarray]) -> None:
+        """:meth:`free` of the concatenation of ``parts`` (any shapes, C order), each written
+        straight into the free list (no concatenated copy first)."""
+        total = sum(p.size for p in parts)
+        if self._n_free + total > self.capacity:
+            raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
+        # free() stores slots reversed; the reverse of a concatenation is the parts reversed, in
+        # reverse order, and a C-order block reversed is the block with every axis reversed
+        end = self._n_free + total
+        for p in parts:
+            if p.size:
+                self._free[end - p.size:end].reshape(p.shape)[...] = p[(slice(None, None, -1),) * p.ndim]
+                end -= p.size
+        self._n_free += total
+
     def free_set(self) -> np.ndarray:
         return self._free[:self._n_free].copy()
 
@@ -165,8 +180,7 @@ class KVPool:
         if owned.ndim == 2 and len(kv.given) == 1:
             # one reused rectangle [:d, a:e] (-1): the private rows are the three slices around it
             d, a, e = kv.given[0]
-            parts = [owned[d:].ravel(), owned[:d, :a].ravel(), owned[:d, e:].ravel()]
-            self.request_rows.free(np.concatenate(parts))
+            self.request_rows.free_parts([owned[d:], owned[:d, :a], owned[:d, e:]])
         else:
             self.request_rows.free(owned[owned >= 0])
         kv.owned = np.zeros(0, dtype=np.int64)
@@ -178,9 +192,11 @@ class KVPool:
         replace."""
         end = start + len(slots)
         block = kv.owned[:depth, start:end]  # [depth, n] view of the private rows given back
-        replaced = block.ravel() if not kv.given and block.size else block[block >= 0]
         self.copy_rows_to(kv.rows[:, start:end], slots, depth)
-        self.request_rows.free(replaced)
+        if not kv.given:  # the first share: every row of the block is still private
+            self.request_rows.free_parts([block])
+        else:
+            self.request_rows.free(block[block >= 0])
         block[...] = -1  # O(reused rows), no set difference over the whole sequence
         kv.given.append((depth, start, end))
 
@@ -250,10 +266,15 @@ class KVPool:
         return self.table[slots, :depth].T
 
     # Bookkeeping (host only).
-    def _relabel(self, cut, key: np.ndarray | None = None) -> None:
+    def _relabel(self, cut, key: np.ndarray | None = None, same: bool = False) -> None:
         """Fresh capture classes for ``cls[cut]`` after a change that is the same function of the old
         row for all of them (``key``: a per-slot parameter of the change, e.g. its first dropped
-        layer): slots that shared a class and a key share the new one."""
+        layer): slots that shared a class and a key share the new one. ``same``: the caller knows
+        every slot's new row is the same (one label for all)."""
+        if same:
+            self.cls[cut] = self._next_cls
+            self._next_cls += 1
+            return
         old = self.cls[cut]
         if key is not None:
             old = old * (self.n_layers + 1) + np.asarray(key, dtype=np.int64)
@@ -303,8 +324,8 @@ class KVPool:
         cut = np.s_[a:a + n, lo:lo + k] if run else np.s_[slots, lo:lo + k]
         vals = rows.T
         # the new row of each slot is a function of its old row (which layers it lacked), so one
-        # class in gives one class out
-        self._relabel(np.s_[a:a + n] if run else slots)
+        # class in gives one class out; fresh slots all had the empty row, so they share one
+        self._relabel(np.s_[a:a + n] if run else slots, same=fresh)
         if not fresh:
             old = self.table[cut]  # [n, k]
             new = old < 0
@@ -334,7 +355,9 @@ class KVPool:
         rows = part[have]
         if rows.size == 0:
             return 0
-        self._relabel(slots, None if np.ndim(from_layer) == 0 else from_layer)
+        scalar = np.ndim(from_layer) == 0
+        # dropping every layer leaves the empty row, whatever the old one was
+        self._relabel(slots, None if scalar else from_layer, same=scalar and int(from_layer) == 0)
         ctx = self.ctx[cut]
         self.contexts.unref(ctx[have])
         ctx[have] = -1
