@@ -91,3 +91,194 @@ def test_batched_drop_layers_equals_one_call_per_slot() -> None:
     assert np.array_equal(pools[0].ctx, pools[1].ctx)
     assert pools[0].rows.num_free == pools[1].rows.num_free
     assert pools[0].contexts.refs() == pools[1].contexts.refs()
+
+
+def test_best_span_over_runs_equals_best_span_over_tokens() -> None:
+    from bicache_sgl.bicache.planner import best_span, best_span_runs
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        n_runs = int(rng.integers(1, 12))
+        lengths = rng.integers(1, 6, n_runs)
+        per_run = rng.integers(0, 9, n_runs)
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        assert best_span_runs(bounds, per_run) == best_span(np.repeat(per_run, lengths))
+
+
+def _random_pool_history(rng, pool, L: int) -> np.ndarray:
+    """Bind rectangles and flat rows and drop layers at random; returns the slots used."""
+    slots = pool.tokens.alloc(24)
+    # one capture over every slot first, so the history starts from one class of many slots
+    first = pool.contexts.new(np.arange(2), 8)
+    pool.bind_block(slots, 0, pool.rows.alloc(L * 24).reshape(L, 24), first)
+    for step in range(30):
+        ctx = pool.contexts.new(np.arange(step % 5), 9 + step)
+        op = rng.random()
+        if op < 0.45:  # a stored range: one rectangle over a contiguous or scattered slot set
+            s = int(rng.integers(0, 23))
+            e = int(rng.integers(s + 1, 25))
+            lo = int(rng.integers(0, L))
+            hi = int(rng.integers(lo + 1, L + 1))
+            sl = slots[s:e] if rng.random() < 0.5 else rng.permutation(slots)[: e - s]
+            block = pool.rows.alloc((hi - lo) * len(sl))
+            if block is None:
+                continue
+            pool.rows.free(pool.bind_block(sl, lo, block.reshape(hi - lo, len(sl)), ctx))
+        elif op < 0.6:  # flat rows (any slots and layers)
+            n = int(rng.integers(1, 10))
+            sl, layers = rng.choice(slots, n), rng.integers(0, L, n)
+            flat = np.unique(sl * L + layers)
+            rows = pool.rows.alloc(len(flat))
+            if rows is None:
+                continue
+            pool.rows.free(pool.bind(flat // L, flat % L, rows, ctx))
+        elif op < 0.8:
+            pool.drop_layers(rng.choice(slots, int(rng.integers(1, 8)), replace=False), int(rng.integers(0, L)))
+        else:
+            sl = rng.choice(slots, int(rng.integers(1, 8)), replace=False)
+            pool.drop_layers(sl, rng.integers(0, L + 1, len(sl)))
+        pool.contexts.forget(ctx)
+    return slots
+
+
+def test_capture_classes_cut_a_match_into_runs_of_equal_rows() -> None:
+    """Equal class => equal capture-context row after any history of binds and drops, so the
+    planner's run form of a match (one row per class run) gives the per-row answer."""
+    import torch
+    L = 6
+    policy = ProfilePolicy(L, BicacheProfile(((0.0, 1), (20.0, 3), (50.0, 6)), L))
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        pool = KVPool(_Shape6(), 32, 2000, 4, torch.float32, torch.device("cpu"))
+        slots = _random_pool_history(rng, pool, L)
+        pool.check_exact_classes(np.arange(pool.token_capacity))
+        order = rng.permutation(slots)
+        cls = pool.cls[order]
+        runs = np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1])
+        ids = {int(c) for c in pool.ctx[order].ravel() if c >= 0}
+        shared = {c: (int(rng.integers(0, 60)), int(rng.integers(20, 80))) for c in ids}
+        full = MatchFacts(len(order), ((len(order), L),), pool.ctx[order] >= 0, pool.ctx[order], shared)
+        ctx_r = pool.ctx[order[runs]]
+        compact = MatchFacts(len(order), ((len(order), L),), ctx_r >= 0, ctx_r, shared, runs)
+        want = reference_usable(policy, full, 70)
+        assert usable_depths(policy, compact, 70)[0].tolist() == want.tolist()
+        assert usable_depths(policy, full, 70)[0].tolist() == want.tolist()
+
+
+def test_a_class_shared_by_unequal_rows_is_caught() -> None:
+    import torch
+    pool = KVPool(_Shape6(), 8, 64, 4, torch.float32, torch.device("cpu"))
+    slots = pool.tokens.alloc(4)
+    ctx = pool.contexts.new(np.arange(3), 10)
+    pool.rows.free(pool.bind_block(slots[:2], 0, pool.rows.alloc(4).reshape(2, 2), ctx))
+    pool.check_exact_classes(slots)
+    pool.cls[slots[2]] = pool.cls[slots[0]]  # a label joining a row-less slot to a captured one
+    try:
+        pool.check_exact_classes(slots)
+    except AssertionError as e:
+        assert "capture class" in str(e)
+    else:
+        raise AssertionError("check_exact_classes missed two unequal rows under one class")
+
+
+def test_bind_block_equals_flat_bind() -> None:
+    import torch
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        pools = [KVPool(_Shape6(), 16, 400, 4, torch.float32, torch.device("cpu")) for _ in range(2)]
+        pre = rng.integers(0, 2, (16, 6)).astype(bool)  # rows bound before (a concurrent upgrade)
+        sl = rng.permutation(16)[: int(rng.integers(1, 16))] if rng.random() < 0.5 else np.arange(3, 12)
+        lo, hi = sorted(rng.choice(7, 2, replace=False).tolist())
+        lost = []
+        for pool in pools:
+            c0 = pool.contexts.new(np.arange(2), 5)
+            pool.tokens.alloc(16)
+            s, layer = np.nonzero(pre)
+            pool.bind(s, layer, pool.rows.alloc(len(s)), c0)
+            c1 = pool.contexts.new(np.arange(4), 7)
+            block = np.arange(300, 300 + (hi - lo) * len(sl)).reshape(hi - lo, len(sl))
+            if pool is pools[0]:
+                lost.append(pool.bind_block(sl, lo, block, c1))
+            else:
+                layers = np.arange(lo, hi)
+                lost.append(pool.bind(np.tile(sl, hi - lo), np.repeat(layers, len(sl)), block.ravel(), c1))
+            pool.contexts.forget(c1)
+        assert np.array_equal(pools[0].table, pools[1].table)
+        assert np.array_equal(pools[0].ctx, pools[1].ctx)
+        assert sorted(lost[0].tolist()) == sorted(lost[1].tolist())
+        assert pools[0].contexts.refs() == pools[1].contexts.refs()
+
+
+class _Shape6:
+    n_layers, n_kv_heads, head_dim, hidden_size, kv_dim = 6, 1, 1, 1, 1
+
+
+def test_copy_rows_to_equals_the_gathered_rows() -> None:
+    import torch
+    rng = np.random.default_rng(7)
+    pool = KVPool(_Shape6(), 64, 64 * 6, 4, torch.float32, torch.device("cpu"))
+    slots = pool.tokens.alloc(64)
+    ctx = pool.contexts.new(np.arange(3), 10)
+    pool.bind_block(slots, 0, pool.rows.alloc(6 * 64).reshape(6, 64), ctx)
+    for runs in (1, 3, 40):  # contiguous runs of slots, and scattered slots (one gather)
+        cut = np.sort(rng.choice(np.arange(1, 64), runs - 1, replace=False)) if runs > 1 else []
+        parts = np.split(rng.permutation(64), cut) if runs == 40 else np.split(np.arange(64), cut)
+        sl = np.concatenate([np.sort(p) for p in parts])[:50]
+        out = np.full((6, 50), -7, dtype=np.int64)
+        pool.copy_rows_to(out, sl, 4)
+        assert np.array_equal(out[:4], pool.table[sl, :4].T) and (out[4:] == -7).all()
+
+
+def test_capture_rows_per_layer_are_the_rows_commit_binds() -> None:
+    """Over a replay with upgrades (several stored ranges per request), every layer's capture
+    (positions, device rows) names exactly the rows the commit then binds for those tokens, and
+    the integrity check (capture classes included) holds after every request."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    from bicache_sgl.bicache.planner import RequestFacts
+
+    L = 8
+    cache = bench.make_cache(L, 6000, 6000 * L, L * (256 + bench.GEN))
+    bench.fill(cache, 60, 0)
+    trace = bench.Trace(256, 0)
+    multi, prompt = 0, trace.next()
+    for i in range(40):
+        # every third request repeats the previous prompt beside a short generation region: a
+        # larger shared fraction, so it reuses and upgrades its own rows (several stored ranges)
+        prompt, n = (prompt, len(prompt) + 16) if i % 3 == 2 else (trace.next(), None)
+        n = n or len(prompt) + bench.GEN
+        grant = cache.admit(prompt, RequestFacts(len(prompt), n))
+        kv = cache.pool.alloc_seq(n)
+        cache.share(grant, kv)
+        slots = np.concatenate([grant.matched_slots, grant.new_slots])
+        layers = dict(grant.capture.layers) if grant.capture is not None else {}
+        multi += len(grant.plan.store) > 1
+        cache.commit(prompt, grant, n)
+        kept = np.isin(slots, cache.index.all_values())  # a new token cached meanwhile is given back
+        for layer, (pos, rows) in layers.items():
+            k = kept[pos]
+            assert np.array_equal(cache.pool.table[slots[pos][k], layer], rows.numpy()[k]), layer
+            assert k.sum() >= len(pos) - 1
+        cache.release(grant)
+        cache.pool.free_seq(kv)
+        cache.check_integrity()
+    assert multi > 0  # the replay did store several ranges in one request
+
+
+def test_free_parts_leaves_the_free_list_free_leaves() -> None:
+    from bicache_sgl.kv_cache.pool import SlotAllocator
+    a, b = SlotAllocator(200), SlotAllocator(200)
+    for alloc in (a, b):
+        alloc.alloc(120)
+    grid = np.arange(100).reshape(4, 25)
+    parts = [grid[2:], grid[:2, :5], grid[:2, 20:], np.array([110, 111])]
+    a.free_parts(parts)
+    b.free(np.concatenate([p.ravel() for p in parts]))
+    assert np.array_equal(a.free_set(), b.free_set()) and a.num_free == b.num_free
+    assert np.array_equal(a.alloc(a.num_free), b.alloc(b.num_free))

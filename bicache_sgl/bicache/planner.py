@@ -52,13 +52,32 @@ class RequestFacts:
 @dataclass(frozen=True)
 class MatchFacts:
     """The radix match, per token and layer. ``held[t, l]``: the row exists; ``ctx[t, l]`` its
-    capture context id; ``shared[c] = (lcp, capture_len)`` for every context id in ``ctx``."""
+    capture context id; ``shared[c] = (lcp, capture_len)`` for every context id in ``ctx``.
+
+    Run-compressed form: with ``runs`` given (the first token of each run of tokens whose
+    ``(ctx, held)`` rows are equal: 0 first, ascending), ``held`` and ``ctx`` hold one row per run,
+    ``[len(runs), L]``; the pool builds this form from its capture classes without reading every
+    row of the match."""
 
     length: int
     segments: tuple[tuple[int, int], ...]  # (end_len, node_depth) per node on the path
-    held: np.ndarray  # bool [length, L]
-    ctx: np.ndarray  # int64 [length, L], -1 where no row
+    held: np.ndarray  # bool [length, L], or [runs, L]
+    ctx: np.ndarray  # int64 [length, L], or [runs, L]; -1 where no row
     shared: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    runs: np.ndarray | None = None  # int64 [runs]
+
+    def __post_init__(self) -> None:
+        n = self.length if self.runs is None else len(self.runs)
+        if self.ctx.shape[:1] != (n,) or self.held.shape != self.ctx.shape:
+            raise ValueError(f"MatchFacts: ctx {self.ctx.shape} and held {self.held.shape} must be "
+                             f"[{n}, L] ({'one row per run' if self.runs is not None else 'one row per token'})")
+
+    def run_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(run starts, ctx [runs, L], held [runs, L]): one row per run of equal rows."""
+        if self.runs is not None:
+            return self.runs, self.ctx, self.held
+        starts = run_starts(self.ctx, self.held)
+        return starts, self.ctx[starts], self.held[starts]
 
 
 @dataclass(frozen=True)
@@ -111,23 +130,40 @@ def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPoli
 def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple[np.ndarray, dict[int, float]]:
     """Per matched token, the leading layers that exist and pass the capture-context rule under
     ``policy``; and the shared fraction of each capture context."""
-    m, L = match.held.shape
+    bounds, per_run, r_of = usable_runs(policy, match, seq_len)
+    return np.repeat(per_run, np.diff(bounds)), r_of
+
+
+def usable_runs(policy: DepthPolicy, match: MatchFacts,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
+    """:func:`usable_depths` per run: (bounds [runs + 1], usable depth per run [runs], the shared
+    fraction of each capture context); run i is tokens [bounds[i], bounds[i + 1])."""
+    m, L = match.length, match.ctx.shape[1]
     if m == 0:
-        return np.zeros(0, dtype=np.int64), {}
+        return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), {}
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
     # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
-    ctx, held = match.ctx, match.held
-    change = np.flatnonzero((ctx[1:] != ctx[:-1]).any(axis=1) | (held[1:] != held[:-1]).any(axis=1)) + 1
-    starts = np.concatenate([[0], change])
-    ctx_r, held_r = ctx[starts], held[starts]
+    starts, ctx_r, held_r = match.run_rows()
     # the depth each row's context allows (0 where there is no row)
     lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
         lim[ctx_r == c] = policy.target_depth(r)
     ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & held_r
     per_run = np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64)
-    return np.repeat(per_run, np.diff(np.concatenate([starts, [m]]))), r_of
+    return np.concatenate([starts, [m]]).astype(np.int64), per_run, r_of
+
+
+def run_starts(ctx: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
+    """First token of each run of equal rows of ``ctx`` [m, L] (and of ``held``: pass None when
+    ``held`` is exactly ``ctx >= 0``, as in the pool, where a row is bound exactly where it has a
+    capture context)."""
+    if len(ctx) == 0:
+        return np.zeros(0, dtype=np.int64)
+    change = (ctx[1:] != ctx[:-1]).any(axis=1)
+    if held is not None:
+        change |= (held[1:] != held[:-1]).any(axis=1)
+    return np.concatenate([[0], np.flatnonzero(change) + 1]).astype(np.int64)
 
 
 def contexts_in(ctx: np.ndarray) -> list[int]:
@@ -142,12 +178,19 @@ def contexts_in(ctx: np.ndarray) -> list[int]:
 def best_span(usable: np.ndarray) -> tuple[int, int, int]:
     """(start, end, depth) maximising (end - start) x depth with depth <= usable[start:end];
     ties go to the longer span. (0, 0, 0) when nothing is usable."""
+    return best_span_runs(np.arange(len(usable) + 1, dtype=np.int64), np.asarray(usable, dtype=np.int64))
+
+
+def best_span_runs(bounds: np.ndarray, usable: np.ndarray) -> tuple[int, int, int]:
+    """:func:`best_span` over runs of tokens with one usable depth each (run i: tokens
+    [bounds[i], bounds[i + 1]), depth usable[i]); the same answer as over the repeated tokens,
+    in O(runs) per candidate depth."""
     best = (0, 0, 0)
     best_gain = 0
     for d in np.unique(usable[usable > 0]).tolist():
         mask = np.concatenate([[False], usable >= d, [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])
-        starts, ends = edges[0::2], edges[1::2]
+        starts, ends = bounds[edges[0::2]], bounds[edges[1::2]]
         i = int(np.argmax(ends - starts))
         s, e = int(starts[i]), int(ends[i])
         gain = (e - s) * d
@@ -191,12 +234,16 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     start = end = depth = 0
     r_bind = 0.0
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
-        usable, r_of = usable_depths(policy, match, facts.seq_len)
-        start, end, depth = best_span(usable)
+        bounds, usable, r_of = usable_runs(policy, match, facts.seq_len)
+        start, end, depth = best_span_runs(bounds, usable)
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
-            r_bind = min(r_of[c] for c in contexts_in(match.ctx[start:end, :depth + 1]))
+            # rows are equal within a run, so the runs' first rows hold every context of the span
+            runs, ctx_r, _ = match.run_rows()
+            first = int(np.searchsorted(runs, start, side="right")) - 1
+            last = int(np.searchsorted(runs, end, side="left"))
+            r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
     audit = False
     if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
         audit = engine_policy.audit.should_audit(r_bind)

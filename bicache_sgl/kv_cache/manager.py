@@ -26,7 +26,13 @@ one null object): nothing matches, nothing is reserved or stored (``enabled`` is
 
 Invariants (``check_integrity``): token slots held + free + in flight == token capacity; rows
 bound in the table + free + in flight == row capacity; every node's tokens have rows exactly for
-layers < its depth; every bound row has a capture context, kept exactly while a row refers to it.
+layers < its depth; every bound row has a capture context, kept exactly while a row refers to it;
+two token slots with one capture class (``KVPool.cls``) have equal capture-context rows.
+
+Cost per request (examples/bench_host.py): the match is read in runs of equally captured tokens
+(one class label per token, one ctx row per run), each stored range is bound as one rectangle of
+the tables, and the reused rows are copied per contiguous run of slots; what remains O(rows) is
+writing the rows a request stores or reuses.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import logging
 from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -68,7 +75,9 @@ class CacheGrant:
     resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
-    pending: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (slots, layer, rows)
+    # (slots, first layer, rows [layers, len(slots)], slots are new) per stored range: one table
+    # rectangle each
+    pending: list[tuple[np.ndarray, int, np.ndarray, bool]] = field(default_factory=list)
     touched: list[tuple[int, int]] = field(default_factory=list)  # prompt position ranges that get rows
 
 
@@ -120,18 +129,28 @@ class CacheManager:
                 grant.resume_rows = self.pool.table[slots[a:p], d - 1].copy()
 
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
-        """The match per token and layer: which rows exist, their capture contexts, and how much
-        each context shares with ``prompt``."""
-        ctx = self.pool.ctx[slots]
+        """The match in runs of equally captured tokens (one ``KVPool.cls`` label per token, then
+        one ctx row per run): which rows exist, their capture contexts, and how much each context
+        shares with ``prompt``."""
+        pool = self.pool
+        if len(slots) == 0:
+            empty = np.zeros((0, pool.n_layers), dtype=np.int64)
+            return MatchFacts(m.length, tuple(m.segments), empty >= 0, empty, {})
+        cls = pool.cls[slots]
+        runs = np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
+        ctx = pool.ctx[slots[runs]]  # [runs, L]: equal class => equal row (KVPool docstring)
         held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
-        ids = contexts_in(ctx)
         me = np.asarray(prompt, dtype=np.int64)
-        contexts = self.pool.contexts
-        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in ids}
-        return MatchFacts(m.length, tuple(m.segments), held, ctx, shared)
+        contexts = pool.contexts
+        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in contexts_in(ctx)}
+        return MatchFacts(m.length, tuple(m.segments), held, ctx, shared, runs)
 
     def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
-        """Allocate what the first forward writes: the planner's (positions, layers) ranges."""
+        """Allocate what the first forward writes: the planner's (positions, layers) ranges.
+
+        Each range (s, e, lo, hi) gets one block of rows, ``[hi - lo, e - s]`` layer-major, so
+        commit binds it as one rectangle of the table and a layer's rows of a range are one
+        contiguous slice of the allocation (an ascending run when the free list gives one)."""
         ranges = plan.store
         n_rows = sum((e - s) * (hi - lo) for s, e, lo, hi in ranges)
         n_new = prompt_len - matched
@@ -143,27 +162,55 @@ class CacheManager:
         slots = np.concatenate([grant.matched_slots, new_slots])
         self.in_flight_tokens += tokens_needed
         self.in_flight_rows += n_rows
-        layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
-        by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
-        per_layer: list[tuple[int, np.ndarray]] = []
-        for layer in range(self.pool.n_layers):
-            active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= layer < hi)
-            if not active:
-                continue
-            if active not in by_set:
-                by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
-                                                 for j in active])
-            per_layer.append((layer, by_set[active]))
-        # one allocation and one device copy for all layers (the same rows as one alloc per layer,
-        # in order); each layer's rows are a slice of them
         all_rows = self.pool.rows.alloc(n_rows)
-        dev_rows = self.pool.to_device(all_rows)
+        blocks: list[np.ndarray] = []  # [hi - lo, e - s] per range, views of all_rows
         off = 0
-        for layer, pos_l in per_layer:
-            n = len(pos_l)
-            grant.pending.append((slots[pos_l], layer, all_rows[off:off + n]))
-            layers[layer] = (pos_l, dev_rows[off:off + n])
+        for s, e, lo, hi in ranges:
+            n = (e - s) * (hi - lo)
+            block = all_rows[off:off + n].reshape(hi - lo, e - s)
+            blocks.append(block)
+            # a range over new tokens binds into empty slots (fresh off the free list, whose rows
+            # free_tokens dropped); one over matched tokens may race a concurrent upgrade
+            grant.pending.append((slots[s:e], lo, block, s >= matched))
             off += n
+        # The forward reads per layer (positions, rows). A layer inside one range reads a slice
+        # of the one device copy; a layer inside several reads their rows concatenated, appended
+        # to the same host buffer so there is still one host -> device copy.
+        # the active ranges change only at a range's first or end layer: one set per interval
+        cuts = sorted({0, self.pool.n_layers, *(x for _, _, lo, hi in ranges for x in (lo, hi))})
+        per_layer: list[tuple[int, tuple[int, ...]]] = []
+        for l0, l1 in pairwise(cuts):
+            active = tuple(j for j, (_, _, lo, hi) in enumerate(ranges) if lo <= l0 < hi)
+            if active:
+                per_layer.extend((layer, active) for layer in range(l0, l1))
+        # the host buffer: all_rows (range j's layers in order, e - s rows each), then the
+        # concatenated rows of the layers inside several ranges; one device copy, split into views
+        sizes: list[int] = []
+        chunk0: list[int] = []  # index of range j's first layer chunk
+        for s, e, lo, hi in ranges:
+            chunk0.append(len(sizes))
+            sizes.extend([e - s] * (hi - lo))
+        extra: list[np.ndarray] = []
+        which: list[int] = []  # each layer's chunk
+        for layer, active in per_layer:
+            if len(active) == 1:
+                j = active[0]
+                which.append(chunk0[j] + layer - ranges[j][2])
+            else:
+                part = np.concatenate([blocks[j][layer - ranges[j][2]] for j in active])
+                extra.append(part)
+                which.append(len(sizes))
+                sizes.append(len(part))
+        dev = self.pool.to_device(np.concatenate([all_rows, *extra]) if extra else all_rows)
+        chunks = torch.split(dev, sizes)  # views, one call (slicing per layer costs more)
+        by_set: dict[tuple[int, ...], np.ndarray] = {}  # layers with the same ranges share one array
+        layers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        for (layer, active), c in zip(per_layer, which):
+            pos = by_set.get(active)
+            if pos is None:
+                pos = by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
+                                                       for j in active])
+            layers[layer] = (pos, chunks[c])
         grant.new_slots = new_slots
         grant.touched = [(s, e) for s, e, _, _ in ranges]
         grant.capture = Capture(layers)
@@ -179,13 +226,13 @@ class CacheManager:
         new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
         self.in_flight_tokens -= len(new_slots)
         if pending:
-            slots = np.concatenate([sl for sl, _, _ in pending])
-            layers = np.repeat(np.array([layer for _, layer, _ in pending], dtype=np.int64),
-                               [len(sl) for sl, _, _ in pending])
-            rows = np.concatenate([r for _, _, r in pending])
-            self.in_flight_rows -= len(rows)
             ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
-            self.pool.rows.free(self.pool.bind(slots, layers, rows, ctx))  # rows a concurrent upgrade beat
+            lost = []
+            for slots, lo, block, fresh in pending:  # one rectangle of the table per stored range
+                self.in_flight_rows -= block.size
+                lost.append(self.pool.bind_block(slots, lo, block, ctx, fresh=fresh))
+            self.pool.rows.free(np.concatenate(lost))  # rows a concurrent upgrade beat
+            self.pool.contexts.forget(ctx)  # nothing bound (every row lost): drop the registration
         handle, new_leaf = grant.handle, None
         if len(new_slots):
             try:
@@ -208,7 +255,7 @@ class CacheManager:
             start, end = end, end + len(node.value)
             if not any(s < end and start < e for s, e in touched):
                 continue
-            held = self.pool.held_depth(node.value)
+            held = self.pool.held_depth_by_class(node.value)
             if held > node.depth:
                 self.upgrades += node is not new_leaf
                 self.index.set_depth(node, held)
@@ -217,9 +264,9 @@ class CacheManager:
         """The request is leaving (finished, aborted or failed). Idempotent."""
         if grant.capture is not None:
             grant.capture = None
-            for _, _, rows in grant.pending:
-                self.pool.rows.free(rows)
-                self.in_flight_rows -= len(rows)
+            for _, _, block, _ in grant.pending:
+                self.pool.rows.free(block)
+                self.in_flight_rows -= block.size
             grant.pending = []
             self.pool.tokens.free(grant.new_slots)
             self.in_flight_tokens -= len(grant.new_slots)
@@ -341,6 +388,7 @@ class CacheManager:
         assert dict(zip(ids.tolist(), counts.tolist())) == {c: n for c, n in refs.items() if n}, \
             "capture-context reference counts do not match the rows that refer to them"
         assert len(pool.contexts) == len(ids), "a capture context is kept that no row refers to"
+        pool.check_exact_classes(np.arange(pool.token_capacity))
 
 
 def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager:

@@ -23,10 +23,19 @@ request's prompt tokens and the length of the sequence its forward saw, generati
 included). A row may serve a request only to the depth the planner derives from the shared
 fraction of the two sequences (bicache/planner.py); the pool only keeps the record.
 
+Capture classes. ``cls[slot]`` is an int64 label with one guarantee: two slots with the same label
+have equal ``ctx`` rows (and so equal table occupancy). Every change of a slot's ctx row gives it
+a fresh label that depends only on its old label and the change, so tokens captured together
+keep sharing one label and a match is cut into runs of equal rows by comparing one label per
+token instead of L contexts per token. Labels may split a class of equal rows (harmless: one
+more run); they never join unequal rows (``check_exact_classes``).
+
 Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -64,6 +73,21 @@ class SlotAllocator:
             raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
         self._free[self._n_free:self._n_free + slots.size] = slots[::-1]
         self._n_free += slots.size
+
+    def free_parts(self, parts: list[np.ndarray]) -> None:
+        """:meth:`free` of the concatenation of ``parts`` (any shapes, C order), each written
+        straight into the free list (no concatenated copy first)."""
+        total = sum(p.size for p in parts)
+        if self._n_free + total > self.capacity:
+            raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
+        # free() stores slots reversed; the reverse of a concatenation is the parts reversed, in
+        # reverse order, and a C-order block reversed is the block with every axis reversed
+        end = self._n_free + total
+        for p in parts:
+            if p.size:
+                self._free[end - p.size:end].reshape(p.shape)[...] = p[(slice(None, None, -1),) * p.ndim]
+                end -= p.size
+        self._n_free += total
 
     def free_set(self) -> np.ndarray:
         return self._free[:self._n_free].copy()
@@ -137,6 +161,8 @@ class KVPool:
         self.table = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)
         self.ctx = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)  # capture context per row
         self.contexts = CaptureContexts()
+        self.cls = np.zeros(token_capacity, dtype=np.int64)  # capture class per slot (module docstring)
+        self._next_cls = 1
         self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
                                       device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
 
@@ -151,8 +177,14 @@ class KVPool:
 
     def free_seq(self, kv: SeqKV) -> None:
         owned = kv.owned
-        self.request_rows.free(owned[owned >= 0])
+        if owned.ndim == 2 and len(kv.given) == 1:
+            # one reused rectangle [:d, a:e] (-1): the private rows are the three slices around it
+            d, a, e = kv.given[0]
+            self.request_rows.free_parts([owned[d:], owned[:d, :a], owned[:d, e:]])
+        else:
+            self.request_rows.free(owned[owned >= 0])
         kv.owned = np.zeros(0, dtype=np.int64)
+        kv.given = []
 
     def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int, start: int = 0) -> None:
         """Point ``kv``'s positions [start, start + len(slots)) at layers < depth to the cached rows
@@ -160,10 +192,13 @@ class KVPool:
         replace."""
         end = start + len(slots)
         block = kv.owned[:depth, start:end]  # [depth, n] view of the private rows given back
-        replaced = block[block >= 0]
-        kv.rows[:depth, start:end] = self.rows_of(slots, depth)
-        self.request_rows.free(replaced)
+        self.copy_rows_to(kv.rows[:, start:end], slots, depth)
+        if not kv.given:  # the first share: every row of the block is still private
+            self.request_rows.free_parts([block])
+        else:
+            self.request_rows.free(block[block >= 0])
         block[...] = -1  # O(reused rows), no set difference over the whole sequence
+        kv.given.append((depth, start, end))
 
     @property
     def token_capacity(self) -> int:
@@ -193,13 +228,64 @@ class KVPool:
         full = have.all(axis=0)
         return int(np.argmin(full)) if not full.all() else self.n_layers
 
+    def class_runs(self, slots: np.ndarray) -> np.ndarray:
+        """Indices into ``slots`` of the first token of each run of equal capture classes (equal
+        ctx rows, so equal held layers)."""
+        if len(slots) == 0:
+            return np.zeros(0, dtype=np.int64)
+        cls = self.cls[slots]
+        return np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
+
+    def held_depth_by_class(self, slots: np.ndarray) -> int:
+        """:meth:`held_depth` from one ctx row per run of equal capture classes (a row is bound
+        exactly where it has a context), not the whole ``[n, L]`` table."""
+        if len(slots) == 0:
+            return self.n_layers
+        full = (self.ctx[slots[self.class_runs(slots)]] >= 0).all(axis=0)
+        return int(np.argmin(full)) if not full.all() else self.n_layers
+
+    def copy_rows_to(self, out: np.ndarray, slots: np.ndarray, depth: int) -> None:
+        """``out[:depth] = rows_of(slots, depth)`` ([depth, n]), reading each contiguous run of
+        slots as one slice of the table (a match is a few such runs: its nodes' slots come off
+        the free list in ascending runs) instead of gathering every row."""
+        assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
+        n = len(slots)
+        if n == 0 or depth == 0:
+            return
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        if len(breaks) > 16:  # scattered slots: one gather
+            out[:depth] = self.table[slots, :depth].T
+            return
+        for i, j in pairwise([0, *breaks.tolist(), n]):
+            a = int(slots[i])
+            out[:depth, i:j] = self.table[a:a + j - i, :depth].T
+
     def rows_of(self, slots: np.ndarray, depth: int) -> np.ndarray:
         """[depth, n] rows of layers < depth (all must exist)."""
-        rows = self.table[slots, :depth].T
-        assert (rows >= 0).all(), "reading a layer the node does not hold"
-        return rows
+        assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
+        return self.table[slots, :depth].T
 
     # Bookkeeping (host only).
+    def _relabel(self, cut, key: np.ndarray | None = None, same: bool = False) -> None:
+        """Fresh capture classes for ``cls[cut]`` after a change that is the same function of the old
+        row for all of them (``key``: a per-slot parameter of the change, e.g. its first dropped
+        layer): slots that shared a class and a key share the new one. ``same``: the caller knows
+        every slot's new row is the same (one label for all)."""
+        if same:
+            self.cls[cut] = self._next_cls
+            self._next_cls += 1
+            return
+        old = self.cls[cut]
+        if key is not None:
+            old = old * (self.n_layers + 1) + np.asarray(key, dtype=np.int64)
+        if old.size and old.min() == old.max():  # the common case: one class in, one out
+            self.cls[cut] = self._next_cls
+            self._next_cls += 1
+            return
+        _, inv = np.unique(old, return_inverse=True)
+        self.cls[cut] = self._next_cls + inv.reshape(-1)
+        self._next_cls += int(inv.max()) + 1 if inv.size else 0
+
     def bind(self, slots: np.ndarray, layers: np.ndarray, rows: np.ndarray, ctx: int) -> np.ndarray:
         """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``, captured in
         context ``ctx`` (from ``contexts.new``); returns the rows NOT bound because the slot
@@ -214,7 +300,46 @@ class KVPool:
         table[flat] = rows_new
         ctxs[flat] = ctx
         self.contexts.ref(ctx, len(rows_new))
+        # each slot's change depends on which of its layers were listed: a fresh class per slot
+        touched = np.unique(slots)
+        self.cls[touched] = self._next_cls + np.arange(len(touched))
+        self._next_cls += len(touched)
         return lost
+
+    def bind_block(self, slots: np.ndarray, lo: int, rows: np.ndarray, ctx: int, fresh: bool = False) -> np.ndarray:
+        """:meth:`bind` for one rectangle: ``rows[i, j]`` [k, n] becomes the row of token
+        ``slots[j]`` at layer ``lo + i``, captured in ``ctx``. Returns the rows not bound (that
+        slot already had that layer: a concurrent upgrade won). ``fresh``: the caller guarantees
+        the slots hold no row (just allocated, not yet in the index), so nothing is compared."""
+        k, n = rows.shape
+        if k == 0 or n == 0:
+            return rows.reshape(-1)[:0]
+        if n != len(slots) or not 0 <= lo <= lo + k <= self.n_layers:
+            raise ValueError(f"bind_block: rows {rows.shape} do not fit {len(slots)} slots at layers "
+                             f"[{lo}, {lo + k}) of {self.n_layers}")
+        a = int(slots[0])
+        # token slots come off the free list in ascending runs: a run is a basic slice of the
+        # tables (views, no gather); otherwise one fancy index per table
+        run = bool(slots[-1] - a == n - 1) and bool((np.diff(slots) == 1).all())
+        cut = np.s_[a:a + n, lo:lo + k] if run else np.s_[slots, lo:lo + k]
+        vals = rows.T
+        # the new row of each slot is a function of its old row (which layers it lacked), so one
+        # class in gives one class out; fresh slots all had the empty row, so they share one
+        self._relabel(np.s_[a:a + n] if run else slots, same=fresh)
+        if not fresh:
+            old = self.table[cut]  # [n, k]
+            new = old < 0
+        if fresh or new.all():
+            self.table[cut] = vals
+            self.ctx[cut] = ctx
+            self.contexts.ref(ctx, vals.size)
+            return rows.reshape(-1)[:0]
+        self.table[cut] = np.where(new, vals, old)
+        self.ctx[cut] = np.where(new, ctx, self.ctx[cut])
+        n_new = int(np.count_nonzero(new))
+        if n_new:
+            self.contexts.ref(ctx, n_new)
+        return vals[~new]
 
     def drop_layers(self, slots: np.ndarray, from_layer: int | np.ndarray) -> int:
         """Free the rows of layers >= ``from_layer`` of ``slots`` (one layer for all, or one per
@@ -230,6 +355,9 @@ class KVPool:
         rows = part[have]
         if rows.size == 0:
             return 0
+        scalar = np.ndim(from_layer) == 0
+        # dropping every layer leaves the empty row, whatever the old one was
+        self._relabel(slots, None if scalar else from_layer, same=scalar and int(from_layer) == 0)
         ctx = self.ctx[cut]
         self.contexts.unref(ctx[have])
         ctx[have] = -1
@@ -239,6 +367,16 @@ class KVPool:
         # later node are contiguous (gathers read runs of memory, not every L-th row)
         self.rows.free(np.sort(rows))
         return int(rows.size)
+
+    def check_exact_classes(self, slots: np.ndarray) -> None:
+        """Assert the capture-class guarantee over ``slots``: equal class => equal ctx rows."""
+        if len(slots) == 0:
+            return
+        order = np.argsort(self.cls[slots], kind="stable")
+        c, rows = self.cls[slots][order], self.ctx[slots][order]
+        same = c[1:] == c[:-1]
+        bad = same & (rows[1:] != rows[:-1]).any(axis=1)
+        assert not bad.any(), "two token slots share a capture class but not their capture contexts"
 
     def free_tokens(self, slots: np.ndarray) -> int:
         """Free token slots and every row they hold; returns rows freed."""

@@ -9,7 +9,7 @@ the model shape it needs is the structural ``KVShape`` (``models.config.ModelCon
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -69,6 +69,9 @@ class SeqKV:
 
     rows: np.ndarray  # int64 [L, N]
     owned: np.ndarray  # int64 [L, N] (pool) or [L * N]; -1: not owned
+    # (depth, start, end) per reused rectangle owned[:depth, start:end] set to -1 (pool only), so
+    # the pool frees the private rows by slices, not by a pass over the whole grid
+    given: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def n_positions(self) -> int:
