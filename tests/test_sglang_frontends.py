@@ -4,7 +4,8 @@ newest release.
 
 The newest release's base install pulls GPU-only packages, so it is installed the way
 docs/server.md describes for users: ``pip install --no-deps --target DIR`` of sglang itself plus
-the two packages its frontend imports that the dev extra does not bring (triton, msgspec). DIR is a
+the three packages its frontend imports that the dev extra does not bring (triton, msgspec,
+pyzmq: this project no longer depends on pyzmq, its engine process talks over a pipe). DIR is a
 cache (``$BICACHE_SGL_SGLANG_NEWEST``, else ``~/.cache/bicache-sgl/sglang-frontend-<version>``),
 filled once per machine: about 30 s the first time, nothing after. The programs
 (tests/sglang_frontend_program.py) run in a subprocess, with DIR on ``PYTHONPATH`` for the newest.
@@ -33,7 +34,7 @@ PROGRAM = Path(__file__).resolve().parent / "sglang_frontend_program.py"
 # The newest sglang release (checked in CI beside the pinned one), and what its frontend needs
 # beyond the dev extra: `import sglang` reaches sglang.srt.utils, which imports triton, and msgspec.
 NEWEST = "0.5.23"
-NEWEST_PACKAGES = [f"sglang=={NEWEST}", "triton==3.9.0", "msgspec==0.23.0"]
+NEWEST_PACKAGES = [f"sglang=={NEWEST}", "triton==3.9.0", "msgspec==0.23.0", "pyzmq==27.3.0"]
 INSTALL_TIMEOUT_S = 600
 
 
