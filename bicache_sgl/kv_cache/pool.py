@@ -49,51 +49,48 @@ from .store import KVShape, KVStore, SeqKV
 
 class SlotAllocator:
     """Free list over ``capacity`` indices starting at ``offset``. Pure bookkeeping: tested
-    without tensors."""
+    without tensors.
+
+    The free indices are ``_free[_lo:]``, taken from the front: ``alloc(n)`` is the slice
+    ``_free[_lo:_lo + n]`` and ``free`` writes in front of it, so both are forward copies (no
+    reversed one) and an ``alloc`` hands back the last freed indices in the order they were freed
+    (sorted frees come back as ascending runs); fresh indices come low first."""
 
     def __init__(self, capacity: int, offset: int = 0) -> None:
         self.capacity = capacity
-        # pop from the end: low indices first
-        self._free = np.arange(offset + capacity - 1, offset - 1, -1, dtype=np.int64)
-        self._n_free = capacity
+        self._free = np.arange(offset, offset + capacity, dtype=np.int64)
+        self._lo = 0
 
     @property
     def num_free(self) -> int:
-        return self._n_free
+        return self.capacity - self._lo
 
     def alloc(self, n: int) -> np.ndarray | None:
-        if n > self._n_free:
+        if n > self.capacity - self._lo:
             return None
-        out = self._free[self._n_free - n:self._n_free][::-1].copy()
-        self._n_free -= n
+        out = self._free[self._lo:self._lo + n].copy()
+        self._lo += n
         return out
 
     def free(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64).ravel()
-        if slots.size == 0:
-            return
-        if self._n_free + slots.size > self.capacity:
-            raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
-        self._free[self._n_free:self._n_free + slots.size] = slots[::-1]
-        self._n_free += slots.size
+        self.free_parts([slots])
 
     def free_parts(self, parts: list[np.ndarray]) -> None:
         """:meth:`free` of the concatenation of ``parts`` (any shapes, C order), each written
         straight into the free list (no concatenated copy first)."""
         total = sum(p.size for p in parts)
-        if self._n_free + total > self.capacity:
+        if total > self._lo:
             raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
-        # free() stores slots reversed; the reverse of a concatenation is the parts reversed, in
-        # reverse order, and a C-order block reversed is the block with every axis reversed
-        end = self._n_free + total
+        at = self._lo - total
         for p in parts:
             if p.size:
-                self._free[end - p.size:end].reshape(p.shape)[...] = p[(slice(None, None, -1),) * p.ndim]
-                end -= p.size
-        self._n_free += total
+                self._free[at:at + p.size].reshape(p.shape)[...] = p
+                at += p.size
+        self._lo -= total
 
     def free_set(self) -> np.ndarray:
-        return self._free[:self._n_free].copy()
+        return self._free[self._lo:].copy()
 
 
 class CaptureContexts:
