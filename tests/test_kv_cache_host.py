@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bicache_sgl.bicache.planner import MatchFacts, usable_depths
+from bicache_sgl.bicache.planner import MatchFacts, contexts_in, usable_depths
 from bicache_sgl.bicache.policy import ProfilePolicy
 from bicache_sgl.bicache.profile import BicacheProfile
 from bicache_sgl.kv_cache.pool import KVPool, SlotAllocator
@@ -153,6 +153,17 @@ def test_batched_drop_layers_equals_one_call_per_slot() -> None:
     assert np.array_equal(pools[0].ctx, pools[1].ctx)
     assert pools[0].rows.num_free == pools[1].rows.num_free
     assert pools[0].contexts.refs() == pools[1].contexts.refs()
+
+
+def test_contexts_in_is_the_sorted_distinct_ids_small_and_large() -> None:
+    rng = np.random.default_rng(3)
+    for shape in ((1, 4), (3, 32), (200, 32), (2000, 32)):  # both sides of the small-block path
+        ctx = rng.integers(-1, 40, shape)
+        ctx[:, :2] = -1
+        got = contexts_in(ctx)
+        assert got == [int(c) for c in np.unique(ctx) if c >= 0], shape
+        assert all(type(c) is int for c in got)
+    assert contexts_in(np.full((3, 4), -1)) == [] and contexts_in(np.zeros((0, 4), np.int64)) == []
 
 
 def test_best_span_over_runs_equals_best_span_over_tokens() -> None:
