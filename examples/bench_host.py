@@ -15,8 +15,9 @@ Workload per configuration (prompt length P, tree size N nodes):
            tenant and block; from P/8 up to P/2, then it starts over), a unique question (the rest);
            generation region 256. One untimed pass warms the shared parts,
            then one timed pass: peek (scheduler ordering), admit (match, lock, plan, reserve; the
-           trims and evictions it needs are also shown alone), share, commit (bind, insert, node
-           depths), release.
+           trims and evictions it needs are also shown alone), alloc (the request's private
+           [L, P + 256] rows, ``KVPool.alloc_seq``), share, commit (bind, insert, node depths),
+           release (with ``free_seq``).
 
     python examples/bench_host.py                                  # the full table and a PNG
     python examples/bench_host.py --prompt-lens 4096 --nodes 100000 --requests 100
@@ -42,7 +43,7 @@ from bicache_sgl.kv_cache.pool import KVPool
 from radix import RadixTree
 
 GEN = 256  # generation region of every request: r = shared / (prompt + GEN)
-OPS = ("peek", "admit", "share", "commit", "release")
+OPS = ("peek", "admit", "alloc", "share", "commit", "release")
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,8 @@ def serve(cache: CacheManager, prompt: np.ndarray, times: dict[str, list[float]]
     cache.pool.free_seq(kv)
     t6 = clock()
     if times is not None:
-        for op, dt in (("peek", t1 - t0), ("admit", t2 - t1), ("share", t4 - t3), ("commit", t5 - t4),
-                       ("release", t6 - t5)):
+        for op, dt in (("peek", t1 - t0), ("admit", t2 - t1), ("alloc", t3 - t2), ("share", t4 - t3),
+                       ("commit", t5 - t4), ("release", t6 - t5)):
             times[op].append(dt)
     return grant.plan.matched
 
@@ -188,14 +189,14 @@ def run_config(n_layers: int, prompt_len: int, nodes: int, requests: int, seed: 
 
 
 def table(results: list[dict], n_layers: int) -> str:
-    head = ("| prompt tokens | tree nodes (fill / during) | mean matched | peek | admit | share | commit "
+    head = ("| prompt tokens | tree nodes (fill / during) | mean matched | peek | admit | alloc | share | commit "
             "| release | total us/request | full pool: make room for one request |")
     lines = [f"Host side per request, L = {n_layers} layers (microseconds, median over the timed pass)", "",
-             head, "|" + "---|" * 10]
+             head, "|" + "---|" * 11]
     for r in results:
         u = r["us"]
         lines.append(f"| {r['prompt_len']} | {r['nodes']} / {r['nodes_during']} | {r['matched']:.0f} | "
-                     f"{u['peek']:.0f} | {u['admit']:.0f} | {u['share']:.0f} | {u['commit']:.0f} | "
+                     f"{u['peek']:.0f} | {u['admit']:.0f} | {u['alloc']:.0f} | {u['share']:.0f} | {u['commit']:.0f} | "
                      f"{u['release']:.0f} | {u['total']:.0f} | {u['room']:.0f} |")
     return "\n".join(lines)
 
@@ -216,7 +217,7 @@ def plot(results: list[dict], path: str) -> None:
                 ax.plot(*zip(*pts), marker="o", label=f"{other} = {fixed}")
         ax.set_xscale("log")
         ax.set_xlabel(key.replace("_", " "))
-        ax.set_ylabel("us per request (all five ops)")
+        ax.set_ylabel("us per request (all six ops)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)

@@ -26,7 +26,7 @@ def test_bench_host_tiny_scale_output(tmp_path: Path) -> None:
     header = next(i for i, line in enumerate(lines) if line.startswith("| prompt tokens"))
     cells = [c.strip() for c in lines[header].strip("|").split("|")]
     assert cells[:3] == ["prompt tokens", "tree nodes (fill / during)", "mean matched"]
-    assert "total us/request" in cells and len(cells) == 10
+    assert "total us/request" in cells and "alloc" in cells and len(cells) == 11
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
     # (64, 120), (256, 120) and the tree-size sweep at 64 tokens: (64, 30)
     assert len(rows) == 3
@@ -35,8 +35,11 @@ def test_bench_host_tiny_scale_output(tmp_path: Path) -> None:
     configs = {(r["prompt_len"], r["nodes"]) for r in got["results"]}
     assert configs == {(64, 30), (64, 120), (256, 120)}
     for r in got["results"]:
-        assert set(r["us"]) == {"peek", "admit", "share", "commit", "release", "total", "room"}
+        assert set(r["us"]) == {"peek", "admit", "alloc", "share", "commit", "release", "total", "room"}
         assert all(v >= 0 for k, v in r["us"].items() if k != "room") and math.isfinite(r["us"]["room"])
+        # the total accounts for every timed op, the private K/V allocation included
+        ops = ("peek", "admit", "alloc", "share", "commit", "release")
+        assert math.isclose(r["us"]["total"], sum(r["us"][k] for k in ops))
         # the shared heads, system prompts and conversations are found again: a broken match or
         # insert would report 0 here
         assert 0 < r["matched"] < r["prompt_len"]

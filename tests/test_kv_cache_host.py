@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from bicache_sgl.bicache.planner import MatchFacts, usable_depths
+from bicache_sgl.bicache.planner import MatchFacts, contexts_in, usable_depths
 from bicache_sgl.bicache.policy import ProfilePolicy
 from bicache_sgl.bicache.profile import BicacheProfile
-from bicache_sgl.kv_cache.pool import KVPool
-from bicache_sgl.kv_cache.store import SeqKV
+from bicache_sgl.kv_cache.pool import KVPool, SlotAllocator
+from bicache_sgl.kv_cache.store import KVStore, SeqKV
 
 
 def reference_usable(policy, match: MatchFacts, seq_len: int) -> np.ndarray:
@@ -74,6 +75,67 @@ def test_share_gives_back_exactly_the_replaced_private_rows() -> None:
     assert sorted(pool.request_rows.free_set().tolist()) == sorted(private.ravel().tolist())
 
 
+def test_two_overlapping_shares_free_each_private_row_once() -> None:
+    """A second share over a rectangle that overlaps the first gives back only the rows still
+    private, and free_seq gives back exactly the rest: every private row once, no prefix row."""
+    import torch
+    pool = KVPool(_Shape(), 16, 64, 4 * 10, torch.float32, torch.device("cpu"))
+    slots = pool.tokens.alloc(5)
+    ctx = pool.contexts.new(np.arange(5), 10)
+    pool.bind_block(slots, 0, pool.rows.alloc(4 * 5).reshape(4, 5), ctx, fresh=True)
+    kv = pool.alloc_seq(10)
+    private = kv.rows.copy()
+    pool.share_prefix(kv, slots[:3], 2, start=2)  # rows[:2, 2:5]
+    pool.share_prefix(kv, slots, 3, start=1)  # rows[:3, 1:6]: overlaps the first
+    assert np.array_equal(kv.rows[:3, 1:6], pool.table[slots, :3].T)
+    mine = np.ones((4, 10), dtype=bool)
+    mine[:3, 1:6] = False
+    assert pool.request_rows.num_free == 15
+    assert sorted(pool.request_rows.free_set().tolist()) == sorted(private[~mine].tolist())
+    pool.free_seq(kv)
+    assert pool.request_rows.num_free == 40
+    assert sorted(pool.request_rows.free_set().tolist()) == sorted(private.ravel().tolist())
+    pool.free_seq(kv)  # idempotent: nothing is freed twice
+    assert pool.request_rows.num_free == 40
+
+
+def test_share_refuses_a_layer_the_slots_do_not_hold_before_giving_back_rows() -> None:
+    import torch
+    pool = KVPool(_Shape(), 16, 64, 4 * 10, torch.float32, torch.device("cpu"))
+    slots = pool.tokens.alloc(3)
+    ctx = pool.contexts.new(np.arange(3), 10)
+    pool.bind_block(slots, 0, pool.rows.alloc(2 * 3).reshape(2, 3), ctx, fresh=True)
+    kv = pool.alloc_seq(10)
+    private = kv.rows.copy()
+    with pytest.raises(ValueError, match="depth 3"):
+        pool.share_prefix(kv, slots, 3)
+    assert pool.request_rows.num_free == 0 and np.array_equal(kv.rows, private) and kv.given == []
+
+
+def test_pool_refuses_a_seqkv_it_did_not_allocate() -> None:
+    import torch
+    pool = KVPool(_Shape(), 16, 64, 4 * 10, torch.float32, torch.device("cpu"))
+    _, (kv,) = KVStore.for_sequences(_Shape(), [5], torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="owned"):
+        pool.free_seq(kv)
+    assert pool.request_rows.num_free == 40
+
+
+def test_slot_allocator_order() -> None:
+    """Fresh indices come low first in ascending order; an alloc after a free hands back the freed
+    indices in the order they were freed (frees of sorted rows come back as ascending runs)."""
+    alloc = SlotAllocator(10, offset=100)
+    assert alloc.alloc(3).tolist() == [100, 101, 102] and alloc.alloc(2).tolist() == [103, 104]
+    alloc.free(np.array([101, 103]))
+    alloc.free_parts([np.array([[100], [104]]), np.array([102])])
+    assert alloc.num_free == 10
+    assert alloc.alloc(5).tolist() == [100, 104, 102, 101, 103]
+    assert alloc.alloc(5).tolist() == [105, 106, 107, 108, 109] and alloc.alloc(1) is None
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free_parts([np.arange(6), np.arange(5)])
+    assert alloc.num_free == 0
+
+
 def test_batched_drop_layers_equals_one_call_per_slot() -> None:
     import torch
     rng = np.random.default_rng(1)
@@ -91,6 +153,17 @@ def test_batched_drop_layers_equals_one_call_per_slot() -> None:
     assert np.array_equal(pools[0].ctx, pools[1].ctx)
     assert pools[0].rows.num_free == pools[1].rows.num_free
     assert pools[0].contexts.refs() == pools[1].contexts.refs()
+
+
+def test_contexts_in_is_the_sorted_distinct_ids_small_and_large() -> None:
+    rng = np.random.default_rng(3)
+    for shape in ((1, 4), (3, 32), (200, 32), (2000, 32)):  # both sides of the small-block path
+        ctx = rng.integers(-1, 40, shape)
+        ctx[:, :2] = -1
+        got = contexts_in(ctx)
+        assert got == [int(c) for c in np.unique(ctx) if c >= 0], shape
+        assert all(type(c) is int for c in got)
+    assert contexts_in(np.full((3, 4), -1)) == [] and contexts_in(np.zeros((0, 4), np.int64)) == []
 
 
 def test_best_span_over_runs_equals_best_span_over_tokens() -> None:

@@ -171,6 +171,8 @@ def contexts_in(ctx: np.ndarray) -> list[int]:
     column changes, so only those few candidates are sorted."""
     if ctx.size == 0:
         return []
+    if ctx.size <= 4096:  # a few runs' rows (the common case): a set of ints costs less than numpy calls
+        return sorted(c for c in set(ctx.ravel().tolist()) if c >= 0)
     cand = np.concatenate([ctx[0], ctx[1:][ctx[1:] != ctx[:-1]]])
     return [int(c) for c in np.unique(cand) if c >= 0]
 

@@ -126,7 +126,7 @@ class CacheManager:
         if d > 0 and p > a and kv is not None:
             self.pool.share_prefix(kv, slots[a:p], d, start=a)
             if d < self.pool.n_layers:
-                grant.resume_rows = self.pool.table[slots[a:p], d - 1].copy()
+                grant.resume_rows = self.pool.layer_table[d - 1, slots[a:p]]  # a fancy index: a copy
 
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
         """The match in runs of equally captured tokens (one ``KVPool.cls`` label per token, then
@@ -138,7 +138,7 @@ class CacheManager:
             return MatchFacts(m.length, tuple(m.segments), empty >= 0, empty, {})
         cls = pool.cls[slots]
         runs = np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
-        ctx = pool.ctx[slots[runs]]  # [runs, L]: equal class => equal row (KVPool docstring)
+        ctx = pool.layer_ctx[:, slots[runs]].T  # [runs, L]: equal class => equal row (KVPool docstring)
         held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
         me = np.asarray(prompt, dtype=np.int64)
         contexts = pool.contexts
@@ -291,7 +291,7 @@ class CacheManager:
             for arr in self.index.evict(1):
                 gone.append(arr)
                 free_tokens += len(arr)
-                free_rows += int(np.count_nonzero(pool.table[arr] >= 0))
+                free_rows += int(np.count_nonzero(pool.layer_table[:, arr] >= 0))
         if gone:
             slots = np.concatenate(gone)
             pool.free_tokens(slots)

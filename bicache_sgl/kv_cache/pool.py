@@ -9,7 +9,10 @@ Prefix layout (docs/prefix_cache.md, "One row store"). A prefix *row* holds one 
   K[row], V[row]  K/V of layer l                      -> [rows, Hkv, Dh]
   H[row]          residual leaving layer l (= entering layer l + 1)   -> [prefix rows, hidden]
 A cached token has a *token slot* (what the radix index stores); ``table[slot, l]`` is its row at
-layer l, or -1. A node of depth k holds rows for layers 0..k-1 of each of its tokens, so a request
+layer l, or -1. The tables are stored layer-major (``layer_table[l, slot]``, ``layer_ctx``; ``table``
+and ``ctx`` are their ``[slot, L]`` views): a stored range or a reused span is a rectangle of slots
+x layers, and layer-major each of its layers is one contiguous slice of slots. A node of depth k
+holds rows for layers 0..k-1 of each of its tokens, so a request
 can skip those tokens in layers < d and resume them at layer d (reading H of layer d - 1) for
 any d <= k. Bytes per layer-token = (2 * kv_dim + hidden) * itemsize:
 LLaDA-8B bf16 (kv_dim 4096, hidden 4096): 24 KiB; Dream-7B bf16 (kv_dim 512, hidden 3584): 9 KiB.
@@ -46,51 +49,48 @@ from .store import KVShape, KVStore, SeqKV
 
 class SlotAllocator:
     """Free list over ``capacity`` indices starting at ``offset``. Pure bookkeeping: tested
-    without tensors."""
+    without tensors.
+
+    The free indices are ``_free[_lo:]``, taken from the front: ``alloc(n)`` is the slice
+    ``_free[_lo:_lo + n]`` and ``free`` writes in front of it, so both are forward copies (no
+    reversed one) and an ``alloc`` hands back the last freed indices in the order they were freed
+    (sorted frees come back as ascending runs); fresh indices come low first."""
 
     def __init__(self, capacity: int, offset: int = 0) -> None:
         self.capacity = capacity
-        # pop from the end: low indices first
-        self._free = np.arange(offset + capacity - 1, offset - 1, -1, dtype=np.int64)
-        self._n_free = capacity
+        self._free = np.arange(offset, offset + capacity, dtype=np.int64)
+        self._lo = 0
 
     @property
     def num_free(self) -> int:
-        return self._n_free
+        return self.capacity - self._lo
 
     def alloc(self, n: int) -> np.ndarray | None:
-        if n > self._n_free:
+        if n > self.capacity - self._lo:
             return None
-        out = self._free[self._n_free - n:self._n_free][::-1].copy()
-        self._n_free -= n
+        out = self._free[self._lo:self._lo + n].copy()
+        self._lo += n
         return out
 
     def free(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64).ravel()
-        if slots.size == 0:
-            return
-        if self._n_free + slots.size > self.capacity:
-            raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
-        self._free[self._n_free:self._n_free + slots.size] = slots[::-1]
-        self._n_free += slots.size
+        self.free_parts([slots])
 
     def free_parts(self, parts: list[np.ndarray]) -> None:
         """:meth:`free` of the concatenation of ``parts`` (any shapes, C order), each written
         straight into the free list (no concatenated copy first)."""
         total = sum(p.size for p in parts)
-        if self._n_free + total > self.capacity:
+        if total > self._lo:
             raise RuntimeError("prefix pool: freeing more slots than allocated (double free)")
-        # free() stores slots reversed; the reverse of a concatenation is the parts reversed, in
-        # reverse order, and a C-order block reversed is the block with every axis reversed
-        end = self._n_free + total
+        at = self._lo - total
         for p in parts:
             if p.size:
-                self._free[end - p.size:end].reshape(p.shape)[...] = p[(slice(None, None, -1),) * p.ndim]
-                end -= p.size
-        self._n_free += total
+                self._free[at:at + p.size].reshape(p.shape)[...] = p
+                at += p.size
+        self._lo -= total
 
     def free_set(self) -> np.ndarray:
-        return self._free[:self._n_free].copy()
+        return self._free[self._lo:].copy()
 
 
 class CaptureContexts:
@@ -158,13 +158,24 @@ class KVPool:
         self.tokens = SlotAllocator(token_capacity)
         self.rows = SlotAllocator(row_capacity)
         self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity)
-        self.table = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)
-        self.ctx = np.full((token_capacity, cfg.n_layers), -1, dtype=np.int64)  # capture context per row
+        # layer-major [L, token slots] (module docstring): row, and capture context, per (layer, slot)
+        self.layer_table = np.full((cfg.n_layers, token_capacity), -1, dtype=np.int64)
+        self.layer_ctx = np.full((cfg.n_layers, token_capacity), -1, dtype=np.int64)
         self.contexts = CaptureContexts()
         self.cls = np.zeros(token_capacity, dtype=np.int64)  # capture class per slot (module docstring)
         self._next_cls = 1
         self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
                                       device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
+
+    @property
+    def table(self) -> np.ndarray:
+        """[token slots, L] view of ``layer_table``: the row of (slot, layer), or -1."""
+        return self.layer_table.T
+
+    @property
+    def ctx(self) -> np.ndarray:
+        """[token slots, L] view of ``layer_ctx``: the capture context of (slot, layer)'s row, or -1."""
+        return self.layer_ctx.T
 
     # ------------------------------------------------------------------------ request K/V
     def alloc_seq(self, n_positions: int) -> SeqKV | None:
@@ -172,32 +183,51 @@ class KVPool:
         rows = self.request_rows.alloc(self.n_layers * n_positions)
         if rows is None:
             return None
-        grid = rows.reshape(self.n_layers, n_positions)
-        return SeqKV(grid.copy(), grid)  # rows changes; owned only loses entries (-1)
+        # one copy of the row ids: the private rows are ``rows`` outside ``given`` (SeqKV), so no
+        # second ``owned`` grid is kept
+        return SeqKV(rows.reshape(self.n_layers, n_positions))
+
+    def _private_mask(self, kv: SeqKV) -> np.ndarray:
+        """[L, N] True where ``kv.rows`` is still a private row (outside every reused rectangle)."""
+        mine = np.ones(kv.rows.shape, dtype=bool)
+        for d, a, e in kv.given:
+            mine[:d, a:e] = False
+        return mine
 
     def free_seq(self, kv: SeqKV) -> None:
-        owned = kv.owned
-        if owned.ndim == 2 and len(kv.given) == 1:
-            # one reused rectangle [:d, a:e] (-1): the private rows are the three slices around it
+        """Give back ``kv``'s private rows (not the prefix rows it reads). Idempotent."""
+        if kv.owned is not None:
+            raise ValueError("free_seq: SeqKV.owned is set, so its rows are not this pool's (alloc_seq)")
+        rows = kv.rows
+        if rows.size == 0:
+            return
+        if len(kv.given) == 0:
+            self.request_rows.free_parts([rows])
+        elif len(kv.given) == 1:
+            # one reused rectangle [:d, a:e]: the private rows are the three slices around it
             d, a, e = kv.given[0]
-            self.request_rows.free_parts([owned[d:], owned[:d, :a], owned[:d, e:]])
+            self.request_rows.free_parts([rows[d:], rows[:d, :a], rows[:d, e:]])
         else:
-            self.request_rows.free(owned[owned >= 0])
-        kv.owned = np.zeros(0, dtype=np.int64)
+            self.request_rows.free(rows[self._private_mask(kv)])
+        kv.rows = rows[:, :0]
         kv.given = []
 
     def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int, start: int = 0) -> None:
         """Point ``kv``'s positions [start, start + len(slots)) at layers < depth to the cached rows
         (read in place; the caller keeps the node locked) and give back the private rows they
         replace."""
+        if kv.owned is not None:
+            raise ValueError("share_prefix: SeqKV.owned is set, so its rows are not this pool's (alloc_seq)")
+        if self.held_depth_by_class(slots) < depth:  # before any row is given back
+            raise ValueError(f"share_prefix: depth {depth} reads a layer the slots do not hold")
         end = start + len(slots)
-        block = kv.owned[:depth, start:end]  # [depth, n] view of the private rows given back
-        self.copy_rows_to(kv.rows[:, start:end], slots, depth)
+        block = kv.rows[:depth, start:end]  # [depth, n] view: the private rows given back, then the reused ones
+        # free before the copy overwrites them; O(reused rows), no pass over the whole sequence
         if not kv.given:  # the first share: every row of the block is still private
             self.request_rows.free_parts([block])
         else:
-            self.request_rows.free(block[block >= 0])
-        block[...] = -1  # O(reused rows), no set difference over the whole sequence
+            self.request_rows.free(block[self._private_mask(kv)[:depth, start:end]])
+        self._copy_rows(kv.rows[:, start:end], slots, depth)
         kv.given.append((depth, start, end))
 
     @property
@@ -224,8 +254,8 @@ class KVPool:
         """Leading layers for which every one of ``slots`` has a row."""
         if len(slots) == 0:
             return self.n_layers
-        have = self.table[slots] >= 0  # [n, L]
-        full = have.all(axis=0)
+        have = self.layer_table[:, slots] >= 0  # [L, n]: every row of every slot is looked at
+        full = have.all(axis=1)
         return int(np.argmin(full)) if not full.all() else self.n_layers
 
     def class_runs(self, slots: np.ndarray) -> np.ndarray:
@@ -241,7 +271,7 @@ class KVPool:
         exactly where it has a context), not the whole ``[n, L]`` table."""
         if len(slots) == 0:
             return self.n_layers
-        full = (self.ctx[slots[self.class_runs(slots)]] >= 0).all(axis=0)
+        full = (self.layer_ctx[:, slots[self.class_runs(slots)]] >= 0).all(axis=1)
         return int(np.argmin(full)) if not full.all() else self.n_layers
 
     def copy_rows_to(self, out: np.ndarray, slots: np.ndarray, depth: int) -> None:
@@ -249,21 +279,25 @@ class KVPool:
         slots as one slice of the table (a match is a few such runs: its nodes' slots come off
         the free list in ascending runs) instead of gathering every row."""
         assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
+        self._copy_rows(out, slots, depth)
+
+    def _copy_rows(self, out: np.ndarray, slots: np.ndarray, depth: int) -> None:
+        """:meth:`copy_rows_to` without the held check (the caller made it)."""
         n = len(slots)
         if n == 0 or depth == 0:
             return
         breaks = np.flatnonzero(np.diff(slots) != 1) + 1
         if len(breaks) > 16:  # scattered slots: one gather
-            out[:depth] = self.table[slots, :depth].T
+            out[:depth] = self.layer_table[:depth, slots]
             return
         for i, j in pairwise([0, *breaks.tolist(), n]):
             a = int(slots[i])
-            out[:depth, i:j] = self.table[a:a + j - i, :depth].T
+            out[:depth, i:j] = self.layer_table[:depth, a:a + j - i]  # one contiguous slice per layer
 
     def rows_of(self, slots: np.ndarray, depth: int) -> np.ndarray:
         """[depth, n] rows of layers < depth (all must exist)."""
         assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
-        return self.table[slots, :depth].T
+        return self.layer_table[:depth, slots]
 
     # Bookkeeping (host only).
     def _relabel(self, cut, key: np.ndarray | None = None, same: bool = False) -> None:
@@ -290,8 +324,8 @@ class KVPool:
         """Record ``rows[i]`` as the row of token ``slots[i]`` at layer ``layers[i]``, captured in
         context ``ctx`` (from ``contexts.new``); returns the rows NOT bound because the slot
         already had that layer (a concurrent upgrade won): the caller frees them."""
-        flat = slots * self.n_layers + layers  # row-major [token, layer] tables: one flat index
-        table, ctxs = self.table.reshape(-1), self.ctx.reshape(-1)
+        flat = layers * self.token_capacity + slots  # layer-major [layer, token] tables: one flat index
+        table, ctxs = self.layer_table.reshape(-1), self.layer_ctx.reshape(-1)
         new = np.take(table, flat) < 0
         if not new.all():
             flat, rows_new, lost = flat[new], rows[new], rows[~new]
@@ -321,21 +355,21 @@ class KVPool:
         # token slots come off the free list in ascending runs: a run is a basic slice of the
         # tables (views, no gather); otherwise one fancy index per table
         run = bool(slots[-1] - a == n - 1) and bool((np.diff(slots) == 1).all())
-        cut = np.s_[a:a + n, lo:lo + k] if run else np.s_[slots, lo:lo + k]
-        vals = rows.T
+        cut = np.s_[lo:lo + k, a:a + n] if run else np.s_[lo:lo + k, slots]
+        vals = rows  # [k, n]: layer-major like the tables
         # the new row of each slot is a function of its old row (which layers it lacked), so one
         # class in gives one class out; fresh slots all had the empty row, so they share one
         self._relabel(np.s_[a:a + n] if run else slots, same=fresh)
         if not fresh:
-            old = self.table[cut]  # [n, k]
+            old = self.layer_table[cut]  # [k, n]
             new = old < 0
         if fresh or new.all():
-            self.table[cut] = vals
-            self.ctx[cut] = ctx
+            self.layer_table[cut] = vals
+            self.layer_ctx[cut] = ctx
             self.contexts.ref(ctx, vals.size)
             return rows.reshape(-1)[:0]
-        self.table[cut] = np.where(new, vals, old)
-        self.ctx[cut] = np.where(new, ctx, self.ctx[cut])
+        self.layer_table[cut] = np.where(new, vals, old)
+        self.layer_ctx[cut] = np.where(new, ctx, self.layer_ctx[cut])
         n_new = int(np.count_nonzero(new))
         if n_new:
             self.contexts.ref(ctx, n_new)
@@ -345,24 +379,24 @@ class KVPool:
         """Free the rows of layers >= ``from_layer`` of ``slots`` (one layer for all, or one per
         slot: a batch of trims in one call); returns rows freed."""
         if np.ndim(from_layer) == 0:
-            cut = np.s_[slots, int(from_layer):]
-            part = self.table[cut]
+            cut = np.s_[int(from_layer):, slots]
+            part = self.layer_table[cut]  # [L - from_layer, n]
             have = part >= 0
-        else:  # [n, L] mask of the layers each slot loses
-            cut = np.s_[slots]
-            part = self.table[slots]
-            have = (part >= 0) & (np.arange(self.n_layers)[None, :] >= np.asarray(from_layer)[:, None])
+        else:  # [L, n] mask of the layers each slot loses
+            cut = np.s_[:, slots]
+            part = self.layer_table[cut]
+            have = (part >= 0) & (np.arange(self.n_layers)[:, None] >= np.asarray(from_layer)[None, :])
         rows = part[have]
         if rows.size == 0:
             return 0
         scalar = np.ndim(from_layer) == 0
         # dropping every layer leaves the empty row, whatever the old one was
         self._relabel(slots, None if scalar else from_layer, same=scalar and int(from_layer) == 0)
-        ctx = self.ctx[cut]
+        ctx = self.layer_ctx[cut]
         self.contexts.unref(ctx[have])
         ctx[have] = -1
         part[have] = -1
-        self.ctx[cut], self.table[cut] = ctx, part
+        self.layer_ctx[cut], self.layer_table[cut] = ctx, part
         # sorted: the free list hands them out again as ascending runs, so a layer's rows for a
         # later node are contiguous (gathers read runs of memory, not every L-th row)
         self.rows.free(np.sort(rows))

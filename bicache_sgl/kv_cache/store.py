@@ -64,13 +64,16 @@ class KVStore:
 @dataclass
 class SeqKV:
     """Where one sequence's K/V live: ``rows[l, j]`` is the store row of layer l, position j.
-    ``owned`` are the private rows allocated for it (freed with it): from the pool, ``[L, N]`` with
-    -1 where the sequence reads a reused prefix row instead (any shape: its entries >= 0 are freed)."""
+
+    From the pool (``KVPool.alloc_seq``) ``owned`` is None: the sequence's private rows are
+    ``rows`` outside the reused rectangles ``given`` (those read prefix rows the sequence does not
+    own), so the row ids are held once. Elsewhere (``KVStore.for_sequences``, tools) ``owned`` lists
+    the rows allocated for it and the pool never frees them."""
 
     rows: np.ndarray  # int64 [L, N]
-    owned: np.ndarray  # int64 [L, N] (pool) or [L * N]; -1: not owned
-    # (depth, start, end) per reused rectangle owned[:depth, start:end] set to -1 (pool only), so
-    # the pool frees the private rows by slices, not by a pass over the whole grid
+    owned: np.ndarray | None = None  # int64, any shape; None: the pool's (private = rows outside given)
+    # (depth, start, end) per reused rectangle rows[:depth, start:end] (pool only): prefix rows,
+    # so the pool frees the private rows by slices around them, not by a pass over the whole grid
     given: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
