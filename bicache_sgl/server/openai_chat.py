@@ -18,21 +18,20 @@ from bicache_sgl.server.openai_common import (
     STREAM_HEADERS,
     Job,
     check_bool,
-    check_fields,
     check_logprob_count,
     check_max_tokens,
-    check_model,
     collect,
     finish,
     include_usage,
     make_items,
+    read_body,
     sampling_dict,
     token_text,
     usage,
 )
-from bicache_sgl.server.protocol import APIError, LogprobOptions, parse_json_body, require_object
+from bicache_sgl.server.protocol import APIError, LogprobOptions
 from bicache_sgl.server.responses import SSE_DONE, ORJSONResponse, sse, sse_error, stream_text
-from bicache_sgl.server.state import ServerState, get_state
+from bicache_sgl.server.state import ServerState
 
 
 def chat_logprobs(state: ServerState, entries: list, tops: list | None) -> dict[str, Any]:
@@ -68,10 +67,7 @@ class ChatJob(Job):
 
 
 async def chat_completions(request: Request) -> Response:
-    state = get_state(request)
-    body = require_object(parse_json_body(await request.body()))
-    check_fields(check_chat_body, body)
-    check_model(state, body.get("model"))
+    state, body = await read_body(request, check_chat_body)
     messages = normalize_messages(body.get("messages"))
     cont = check_bool(body, "continue_final_message")
     check_bool(body, "separate_reasoning")

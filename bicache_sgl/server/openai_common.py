@@ -26,10 +26,12 @@ from bicache_sgl.server.protocol import (
     engine_request,
     field_error,
     is_int,
+    parse_json_body,
+    require_object,
     sampling_params_from,
 )
 from bicache_sgl.server.responses import raise_if_failed
-from bicache_sgl.server.state import ServerState
+from bicache_sgl.server.state import ServerState, get_state
 
 MAX_TOP_LOGPROBS = 20
 STREAM_HEADERS = {"Cache-Control": "no-cache"}
@@ -63,6 +65,16 @@ def check_fields(check: Callable[[Mapping[str, Any]], None], body: Mapping[str, 
         check(body)
     except FieldError as e:
         raise field_error(e) from None
+
+
+async def read_body(request: Request, check: Callable[[Mapping[str, Any]], None]) -> tuple[ServerState, dict]:
+    """The server state and an OpenAI route's JSON body, checked by the route's field check and
+    for a model this server serves (every refusal is an APIError naming the field)."""
+    state = get_state(request)
+    body = require_object(parse_json_body(await request.body()))
+    check_fields(check, body)
+    check_model(state, body.get("model"))
+    return state, body
 
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # what SGLang's OpenAI routes send for json_object

@@ -17,14 +17,13 @@ from bicache_sgl.server.openai_common import (
     STREAM_HEADERS,
     Job,
     check_bool,
-    check_fields,
     check_logprob_count,
     check_max_tokens,
-    check_model,
     collect,
     finish,
     include_usage,
     make_items,
+    read_body,
     sampling_dict,
     token_text,
     usage,
@@ -37,12 +36,10 @@ from bicache_sgl.server.protocol import (
     check_token_ids,
     engine_request,
     is_int,
-    parse_json_body,
-    require_object,
     sampling_params_from,
 )
 from bicache_sgl.server.responses import SSE_DONE, ORJSONResponse, sse, sse_error, stream_text
-from bicache_sgl.server.state import ServerState, get_state
+from bicache_sgl.server.state import ServerState
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -209,10 +206,7 @@ class CompletionJob(Job):
 
 
 async def completions(request: Request) -> Response:
-    state = get_state(request)
-    body = require_object(parse_json_body(await request.body()))
-    check_fields(check_completion_body, body)
-    check_model(state, body.get("model"))
+    state, body = await read_body(request, check_completion_body)
     texts, id_lists = completion_prompts(state, body.get("prompt"))
     max_tokens = body.get("max_tokens")
     check_max_tokens(max_tokens, "max_tokens")
