@@ -166,15 +166,24 @@ def test_contexts_in_is_the_sorted_distinct_ids_small_and_large() -> None:
     assert contexts_in(np.full((3, 4), -1)) == [] and contexts_in(np.zeros((0, 4), np.int64)) == []
 
 
-def test_best_span_over_runs_equals_best_span_over_tokens() -> None:
-    from bicache_sgl.bicache.planner import best_span, best_span_runs
+def test_best_span_over_runs_is_the_best_span_a_brute_force_finds() -> None:
+    """The planner's span choice against every (start, end) of the repeated tokens: the same
+    gain (end - start) x depth, ties to the longer span, and a span its depth may really use."""
+    from bicache_sgl.bicache.planner import best_span_runs
     rng = np.random.default_rng(2)
     for _ in range(300):
         n_runs = int(rng.integers(1, 12))
         lengths = rng.integers(1, 6, n_runs)
         per_run = rng.integers(0, 9, n_runs)
         bounds = np.concatenate([[0], np.cumsum(lengths)])
-        assert best_span_runs(bounds, per_run) == best_span(np.repeat(per_run, lengths))
+        usable = np.repeat(per_run, lengths)
+        spans = [((e - s) * int(usable[s:e].min()), e - s) for s in range(len(usable))
+                 for e in range(s + 1, len(usable) + 1)]
+        want_gain = max(g for g, _ in spans)
+        want_len = max(n for g, n in spans if g == want_gain) if want_gain else 0
+        s, e, d = best_span_runs(bounds, per_run)
+        assert (e - s) * d == want_gain and e - s == want_len
+        assert d == 0 or (0 < d <= usable[s:e].min())
 
 
 def _random_pool_history(rng, pool, L: int) -> np.ndarray:

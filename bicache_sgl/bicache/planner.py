@@ -177,16 +177,11 @@ def contexts_in(ctx: np.ndarray) -> list[int]:
     return [int(c) for c in np.unique(cand) if c >= 0]
 
 
-def best_span(usable: np.ndarray) -> tuple[int, int, int]:
-    """(start, end, depth) maximising (end - start) x depth with depth <= usable[start:end];
-    ties go to the longer span. (0, 0, 0) when nothing is usable."""
-    return best_span_runs(np.arange(len(usable) + 1, dtype=np.int64), np.asarray(usable, dtype=np.int64))
-
-
 def best_span_runs(bounds: np.ndarray, usable: np.ndarray) -> tuple[int, int, int]:
-    """:func:`best_span` over runs of tokens with one usable depth each (run i: tokens
-    [bounds[i], bounds[i + 1]), depth usable[i]); the same answer as over the repeated tokens,
-    in O(runs) per candidate depth."""
+    """(start, end, depth) maximising (end - start) x depth with depth <= the usable depth of every
+    token in [start, end); ties go to the longer span; (0, 0, 0) when nothing is usable. Over runs
+    of tokens with one usable depth each (run i: tokens [bounds[i], bounds[i + 1]), depth
+    usable[i]), in O(runs) per candidate depth."""
     best = (0, 0, 0)
     best_gain = 0
     for d in np.unique(usable[usable > 0]).tolist():
