@@ -279,3 +279,42 @@ def test_prefill_only_and_input_logprobs(engine):
     gen = engine.generate("abc", {"max_new_tokens": 8, "temperature": 0}, return_logprob=True)
     olp = gen["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in olp] == gen["output_ids"] and all(lp <= 0 for lp, _, _ in olp)
+
+
+def test_default_greedy_threshold_decisions_made_together_equal_the_per_request_path(monkeypatch):
+    """The server's default sampling (temperature 0, threshold 0.9) on the bundled model: the
+    scheduler decides a batch's greedy threshold requests together (``decide_greedy``). A zero
+    logit bias changes no logit but sends a request down the per-request path (bias, ban,
+    ``decide``): every request, batched with others, must give the tokens it gives alone there."""
+    from bicache_sgl.scheduler import scheduler as sched
+
+    rows = []
+    real = sched.decide_greedy
+    monkeypatch.setattr(sched, "decide_greedy", lambda parts, banned: rows.append(len(parts)) or real(parts, banned))
+    eng = Engine(None, prefix_cache="off", max_running_requests=8)
+    try:
+        prompts = ["Question: K\nAnswer: 5\n\nQuestion: D\nAnswer: 5\n\nQuestion: K\nAnswer:",
+                   "Question: A\nAnswer:", "Question: Q\nAnswer: 2\n\nQuestion: Q\nAnswer:", "x"]
+        specs = [{"max_new_tokens": 16}, {"max_new_tokens": 32, "ignore_eos": True}, {"max_new_tokens": 8},
+                 {"max_new_tokens": 24, "ignore_eos": True}]
+        greqs = [GenerateRequest(eng.encode(p), SamplingParams.from_dict({"temperature": 0, **s}))
+                 for p, s in zip(prompts, specs)]
+        events, done = {}, threading.Event()
+
+        def on_event(ev):
+            if ev.finished:
+                events[ev.rid] = ev
+                if len(events) == len(greqs):
+                    done.set()
+        rids = eng.submit_many(greqs, [on_event] * len(greqs))  # atomically: they share the first step
+        assert done.wait(120)
+        together = [events[r].output_ids for r in rids]
+        assert max(rows) > 1  # several requests were decided in one call
+        rows.clear()
+        alone = [eng.generate(p, {"temperature": 0, "logit_bias": {"5": 0.0}, **s})["output_ids"]
+                 for p, s in zip(prompts, specs)]
+        assert not rows  # the biased requests decided on their own
+        assert together == alone
+        assert any(len(o) > 1 for o in together)
+    finally:
+        eng.shutdown()
