@@ -214,3 +214,20 @@ def test_greedy_decisions_made_together_equal_each_requests_own(same_bans):
         assert torch.equal(x0, want_x0) and torch.equal(conf, want_conf)
     assert int(together[3][0][2]) != MASK  # the ban applied
     assert all(lg.shape[0] == n for lg, n in zip(parts, rows))  # the forward's logits untouched
+
+
+def test_threshold_selection_orders_ties_by_position_as_torchs_stable_sort():
+    """``select_transfer``'s threshold rule (numpy on CPU) against torch's stable descending
+    argsort, on confidences with many ties."""
+    from bicache_sgl.decoding import select_transfer
+
+    conf = torch.tensor([0.5, 0.95, 0.95, 0.2, 0.99], dtype=torch.float64)
+    assert select_transfer(conf, 1, 0.9).tolist() == [4, 1, 2]
+    assert select_transfer(torch.tensor([0.3, 0.7, 0.7], dtype=torch.float64), 1, 0.9).tolist() == [1]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        conf = (torch.randint(0, 6, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen) / 5.0).double()
+        order = torch.argsort(conf, descending=True, stable=True)
+        keep = conf[order] >= 0.6
+        keep[0] = True
+        assert torch.equal(select_transfer(conf, 1, 0.6), order[keep])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .dream import (
@@ -165,6 +166,12 @@ def select_transfer(conf: torch.Tensor, k: int, threshold: float | None) -> torc
     if conf.numel() == 0:
         return torch.empty(0, dtype=torch.long)
     if threshold is not None and threshold > 0:
+        if conf.device.type == "cpu":  # the same order in numpy, without four dispatched torch ops
+            c = conf.numpy()
+            order = np.argsort(-c, kind="stable")  # descending, ties in position order
+            keep = c[order] >= threshold
+            keep[0] = True
+            return torch.from_numpy(order[keep])
         order = torch.argsort(conf, descending=True, stable=True)
         keep = conf[order] >= threshold
         keep[0] = True

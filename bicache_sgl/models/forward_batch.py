@@ -185,7 +185,9 @@ class ForwardBatch:
                     hh.setdefault(layer + 1, []).append((self.segment_rows(i, pos, self.segment_of(layer + 1)), prow))
         for out, parts in ((self.capture_kv, kv), (self.capture_h, hh)):
             for layer, lst in parts.items():
-                out[layer] = (torch.cat([a for a, _ in lst]), torch.cat([b for _, b in lst]))
+                # one capturing sequence (the usual case): its index tensors as they are, no copy
+                out[layer] = lst[0] if len(lst) == 1 else \
+                    (torch.cat([a for a, _ in lst]), torch.cat([b for _, b in lst]))
 
     def segment_rows(self, seq: int, positions: np.ndarray, seg: Segment) -> torch.Tensor:
         """Indices into ``seg``'s active rows of sequence ``seq``'s ``positions`` (all active)."""
