@@ -318,3 +318,19 @@ def test_default_greedy_threshold_decisions_made_together_equal_the_per_request_
         assert any(len(o) > 1 for o in together)
     finally:
         eng.shutdown()
+
+
+def test_a_logit_position_outside_the_computed_rows_is_refused(tiny_llada):
+    """ForwardBatch.build maps logit positions to computed rows; one that is not computed (or
+    negative, or past every row) is an error, not a wrong row's logits."""
+    _, cfg = load_model(tiny_llada)
+    cpu = torch.device("cpu")
+    store, kvs = KVStore.for_sequences(cfg, [10, 6], torch.float32, cpu)
+    ids = [torch.randint(2, cfg.vocab_size, (n,)) for n in (10, 6)]
+    ok = ForwardBatch([SeqWork(kvs[0], ids[0], np.arange(4, 8), np.array([5, 7])),
+                       SeqWork(kvs[1], ids[1], np.arange(6), np.array([0]))], cpu, store).build(cfg.n_layers)
+    assert ok.logit_rows.tolist() == [1, 3, 4]
+    for bad in ([3], [8], [-1], [9]):
+        with pytest.raises(ValueError, match="not among the computed positions"):
+            ForwardBatch([SeqWork(kvs[0], ids[0], np.arange(4, 8), np.array(bad)),
+                          SeqWork(kvs[1], ids[1], np.arange(6), np.array([0]))], cpu, store).build(cfg.n_layers)

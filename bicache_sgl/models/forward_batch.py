@@ -134,7 +134,7 @@ class ForwardBatch:
         keys = row_seq * stride + all_pos
         want = lp_seq * stride + lp_all
         idx = np.searchsorted(keys, want)
-        if np.any(lp_all < 0) or np.any(idx >= T) or not np.array_equal(keys[np.minimum(idx, T - 1)], want):
+        if lp_all.size and (lp_all.min() < 0 or idx.max() >= T or (keys[idx] != want).any()):
             raise ValueError("a logit position is not among the computed positions")
         in_s = (local >= skip_from[row_seq]) & (local < skip_from[row_seq] + skip[row_seq])  # [T] row is in S
         assert not in_s[idx].any(), "logit row inside S"
