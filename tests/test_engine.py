@@ -334,3 +334,42 @@ def test_a_logit_position_outside_the_computed_rows_is_refused(tiny_llada):
         with pytest.raises(ValueError, match="not among the computed positions"):
             ForwardBatch([SeqWork(kvs[0], ids[0], np.arange(4, 8), np.array(bad)),
                           SeqWork(kvs[1], ids[1], np.arange(6), np.array([0]))], cpu, store).build(cfg.n_layers)
+
+
+def test_a_callback_with_many_gets_each_steps_events_in_one_call(tiny_llada):
+    """The engine process's sink takes a step's events as one list (one wake of its sender per
+    step): every event arrives, in order per request, the same events a plain callback gets."""
+    eng = Engine(tiny_llada, prefix_cache="off", block_length=4, threshold=None)
+    try:
+        class Sink:
+            def __init__(self):
+                self.calls, self.events, self.done = [], [], threading.Event()
+
+            def __call__(self, ev):  # not used: ``many`` wins
+                raise AssertionError("the per-event path was taken")
+
+            def many(self, evs):
+                self.calls.append(len(evs))
+                self.events.extend(evs)
+                if sum(e.finished for e in self.events) == len(PROMPTS):
+                    self.done.set()
+
+        sink, plain, got = Sink(), [], threading.Event()
+
+        def on_event(ev):
+            plain.append(ev)
+            if sum(e.finished for e in plain) == len(PROMPTS):
+                got.set()
+        sp = SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0})
+        eng.submit_many([GenerateRequest(eng.encode(p), sp) for p in PROMPTS], [sink] * len(PROMPTS))
+        assert sink.done.wait(60)
+        eng.submit_many([GenerateRequest(eng.encode(p), sp) for p in PROMPTS], [on_event] * len(PROMPTS))
+        assert got.wait(60)
+        assert max(sink.calls) > 1 and len(sink.calls) < len(sink.events)  # several events per call
+        key = lambda evs: sorted((e.output_ids, e.text, e.finished) for e in evs)  # noqa: E731
+        assert key(sink.events) == key(plain)
+        for rid in {e.rid for e in sink.events}:  # in order: blocks grow, the final one is last
+            mine = [e for e in sink.events if e.rid == rid]
+            assert [e.finished for e in mine] == [False] * (len(mine) - 1) + [True]
+    finally:
+        eng.shutdown()
