@@ -4,6 +4,8 @@ length, and captures never wait for each other in a cycle."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from bicache_sgl.scheduler.scheduler import Admission
 
 
@@ -12,6 +14,7 @@ class _R:
 
     def __init__(self, prompt: list[int], *, internal: bool = False, kv_tokens: int = 10) -> None:
         self.prompt, self.kv_tokens, self.internal = prompt, kv_tokens, internal
+        self.prompt_ids = np.asarray(prompt, dtype=np.int64)
 
 
 TURN1 = list(range(100, 140))  # 40 tokens, cached by turn 1's own first forward

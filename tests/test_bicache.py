@@ -274,6 +274,7 @@ def test_planner_bounds_each_row_by_its_capture_context():
 class _R:
     def __init__(self, prompt, kv_tokens=10):
         self.prompt, self.kv_tokens, self.internal = prompt, kv_tokens, False
+        self.prompt_ids = np.asarray(prompt, dtype=np.int64)
 
 
 def test_scheduler_and_allocator_bookkeeping():

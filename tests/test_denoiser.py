@@ -186,3 +186,48 @@ def test_one_detokenizer(tiny_llada):
     assert Detokenizer(tok, True).text(ids) == "ab"
     assert Detokenizer(tok, False).text(ids) == tok.decode(ids, skip_special_tokens=False) != "ab"
     assert Detokenizer(tok, True).token(eos) == tok.decode([eos])  # a token's own text keeps specials
+
+
+@pytest.mark.parametrize("same_bans", [True, False])
+def test_greedy_decisions_made_together_equal_each_requests_own(same_bans):
+    """The scheduler decides every greedy threshold request of a step with one
+    ``decide_greedy`` call; each request's tokens and confidences must be bit-equal to what its own
+    LogitsProcessor + ``decide`` give (rows of different counts, an empty one, different bans)."""
+    from bicache_sgl.decoding import decide, decide_greedy
+
+    gen = torch.Generator().manual_seed(3)
+    rows = [5, 1, 0, 8, 3]
+    parts = [torch.randn(n, V, generator=gen) * 4 for n in rows]
+    parts[3][2] = parts[3][2].max() + 1  # a row where the mask would win unbanned
+    parts[3][2, MASK] = 100.0
+    ignore = [False] * len(rows) if same_bans else [False, True, False, True, False]
+    procs, banned = [], []
+    for ig in ignore:
+        _, params = _plan(ignore_eos=ig)
+        lp = LogitsProcessor(params, [1, 2, 3], 8, mask_id=MASK, eos_ids=(0,))
+        procs.append(lp)
+        banned.append(lp.suppress_ids if ig else (MASK,))
+    together = decide_greedy(parts, banned)
+    for lg, proc, (x0, conf) in zip(parts, procs, together):
+        want_x0, want_conf, _ = decide(proc(lg, torch.zeros(12, dtype=torch.long), np.arange(len(lg)) + 3),
+                                       temperature=0, top_k=-1, top_p=1.0, remasking="low_confidence", generator=None)
+        assert torch.equal(x0, want_x0) and torch.equal(conf, want_conf)
+    assert int(together[3][0][2]) != MASK  # the ban applied
+    assert all(lg.shape[0] == n for lg, n in zip(parts, rows))  # the forward's logits untouched
+
+
+def test_threshold_selection_orders_ties_by_position_as_torchs_stable_sort():
+    """``select_transfer``'s threshold rule (numpy on CPU) against torch's stable descending
+    argsort, on confidences with many ties."""
+    from bicache_sgl.decoding import select_transfer
+
+    conf = torch.tensor([0.5, 0.95, 0.95, 0.2, 0.99], dtype=torch.float64)
+    assert select_transfer(conf, 1, 0.9).tolist() == [4, 1, 2]
+    assert select_transfer(torch.tensor([0.3, 0.7, 0.7], dtype=torch.float64), 1, 0.9).tolist() == [1]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        conf = (torch.randint(0, 6, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen) / 5.0).double()
+        order = torch.argsort(conf, descending=True, stable=True)
+        keep = conf[order] >= 0.6
+        keep[0] = True
+        assert torch.equal(select_transfer(conf, 1, 0.6), order[keep])

@@ -279,3 +279,97 @@ def test_prefill_only_and_input_logprobs(engine):
     gen = engine.generate("abc", {"max_new_tokens": 8, "temperature": 0}, return_logprob=True)
     olp = gen["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in olp] == gen["output_ids"] and all(lp <= 0 for lp, _, _ in olp)
+
+
+def test_default_greedy_threshold_decisions_made_together_equal_the_per_request_path(monkeypatch):
+    """The server's default sampling (temperature 0, threshold 0.9) on the bundled model: the
+    scheduler decides a batch's greedy threshold requests together (``decide_greedy``). A zero
+    logit bias changes no logit but sends a request down the per-request path (bias, ban,
+    ``decide``): every request, batched with others, must give the tokens it gives alone there."""
+    from bicache_sgl.scheduler import scheduler as sched
+
+    rows = []
+    real = sched.decide_greedy
+    monkeypatch.setattr(sched, "decide_greedy", lambda parts, banned: rows.append(len(parts)) or real(parts, banned))
+    eng = Engine(None, prefix_cache="off", max_running_requests=8)
+    try:
+        prompts = ["Question: K\nAnswer: 5\n\nQuestion: D\nAnswer: 5\n\nQuestion: K\nAnswer:",
+                   "Question: A\nAnswer:", "Question: Q\nAnswer: 2\n\nQuestion: Q\nAnswer:", "x"]
+        specs = [{"max_new_tokens": 16}, {"max_new_tokens": 32, "ignore_eos": True}, {"max_new_tokens": 8},
+                 {"max_new_tokens": 24, "ignore_eos": True}]
+        greqs = [GenerateRequest(eng.encode(p), SamplingParams.from_dict({"temperature": 0, **s}))
+                 for p, s in zip(prompts, specs)]
+        events, done = {}, threading.Event()
+
+        def on_event(ev):
+            if ev.finished:
+                events[ev.rid] = ev
+                if len(events) == len(greqs):
+                    done.set()
+        rids = eng.submit_many(greqs, [on_event] * len(greqs))  # atomically: they share the first step
+        assert done.wait(120)
+        together = [events[r].output_ids for r in rids]
+        assert max(rows) > 1  # several requests were decided in one call
+        rows.clear()
+        alone = [eng.generate(p, {"temperature": 0, "logit_bias": {"5": 0.0}, **s})["output_ids"]
+                 for p, s in zip(prompts, specs)]
+        assert not rows  # the biased requests decided on their own
+        assert together == alone
+        assert any(len(o) > 1 for o in together)
+    finally:
+        eng.shutdown()
+
+
+def test_a_logit_position_outside_the_computed_rows_is_refused(tiny_llada):
+    """ForwardBatch.build maps logit positions to computed rows; one that is not computed (or
+    negative, or past every row) is an error, not a wrong row's logits."""
+    _, cfg = load_model(tiny_llada)
+    cpu = torch.device("cpu")
+    store, kvs = KVStore.for_sequences(cfg, [10, 6], torch.float32, cpu)
+    ids = [torch.randint(2, cfg.vocab_size, (n,)) for n in (10, 6)]
+    ok = ForwardBatch([SeqWork(kvs[0], ids[0], np.arange(4, 8), np.array([5, 7])),
+                       SeqWork(kvs[1], ids[1], np.arange(6), np.array([0]))], cpu, store).build(cfg.n_layers)
+    assert ok.logit_rows.tolist() == [1, 3, 4]
+    for bad in ([3], [8], [-1], [9]):
+        with pytest.raises(ValueError, match="not among the computed positions"):
+            ForwardBatch([SeqWork(kvs[0], ids[0], np.arange(4, 8), np.array(bad)),
+                          SeqWork(kvs[1], ids[1], np.arange(6), np.array([0]))], cpu, store).build(cfg.n_layers)
+
+
+def test_a_callback_with_many_gets_each_steps_events_in_one_call(tiny_llada):
+    """The engine process's sink takes a step's events as one list (one wake of its sender per
+    step): every event arrives, in order per request, the same events a plain callback gets."""
+    eng = Engine(tiny_llada, prefix_cache="off", block_length=4, threshold=None)
+    try:
+        class Sink:
+            def __init__(self):
+                self.calls, self.events, self.done = [], [], threading.Event()
+
+            def __call__(self, ev):  # not used: ``many`` wins
+                raise AssertionError("the per-event path was taken")
+
+            def many(self, evs):
+                self.calls.append(len(evs))
+                self.events.extend(evs)
+                if sum(e.finished for e in self.events) == len(PROMPTS):
+                    self.done.set()
+
+        sink, plain, got = Sink(), [], threading.Event()
+
+        def on_event(ev):
+            plain.append(ev)
+            if sum(e.finished for e in plain) == len(PROMPTS):
+                got.set()
+        sp = SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0})
+        eng.submit_many([GenerateRequest(eng.encode(p), sp) for p in PROMPTS], [sink] * len(PROMPTS))
+        assert sink.done.wait(60)
+        eng.submit_many([GenerateRequest(eng.encode(p), sp) for p in PROMPTS], [on_event] * len(PROMPTS))
+        assert got.wait(60)
+        assert max(sink.calls) > 1 and len(sink.calls) < len(sink.events)  # several events per call
+        key = lambda evs: sorted((e.output_ids, e.text, e.finished) for e in evs)  # noqa: E731
+        assert key(sink.events) == key(plain)
+        for rid in {e.rid for e in sink.events}:  # in order: blocks grow, the final one is last
+            mine = [e for e in sink.events if e.rid == rid]
+            assert [e.finished for e in mine] == [False] * (len(mine) - 1) + [True]
+    finally:
+        eng.shutdown()

@@ -216,10 +216,27 @@ class Engine:
         return True
 
     def _emit_all(self, reqs: list[Req]) -> None:
+        # a callback with a ``many`` method gets all of this round's events for it in one call
+        # (the engine process's sender is then woken once per step, not once per event)
+        batched: dict[int, tuple[Callable[[list[RequestEvent]], None], list[RequestEvent]]] = {}
         for req in reqs:
             if req.finished:
                 self._by_rid.pop(req.rid, None)
-            self._emit(req)
+            many = getattr(req.on_event, "many", None)
+            if many is None:
+                self._emit(req)
+                continue
+            try:
+                ev = req.event()
+            except Exception:
+                log.exception("building the event of %s failed", req.rid)
+                continue
+            batched.setdefault(id(req.on_event), (many, []))[1].append(ev)
+        for many, events in batched.values():
+            try:
+                many(events)
+            except Exception:
+                log.exception("event callback for %d events failed", len(events))
 
     def _drain_inbox(self) -> None:
         with self._cv:

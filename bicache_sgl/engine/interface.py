@@ -28,8 +28,9 @@ class EngineClient(Protocol):
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Validate (once: ``bicache_sgl.scheduler.validate``) and queue one request; returns its
         ``rid``. ``on_event`` runs on another thread for each block and at the end; every event's
-        ``meta_info`` is whole (the engine builds it). Raises ValueError (bad input) or
-        QueueFullError (queue or memory budget full)."""
+        ``meta_info`` is whole (the engine builds it). An ``on_event`` that also has a ``many``
+        method is given, instead, each step's events for it as one list (in order). Raises
+        ValueError (bad input) or QueueFullError (queue or memory budget full)."""
 
     def submit_many(self, greqs: Sequence[GenerateRequest],
                     on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:

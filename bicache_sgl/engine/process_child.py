@@ -91,6 +91,9 @@ def _sender(conn: Connection, out: queue.SimpleQueue) -> None:
                 if isinstance(it, RequestEvent):
                     events.append(it)
                     continue
+                if isinstance(it, list):  # one engine step's events (_EventSink.many)
+                    events.extend(it)
+                    continue
                 if events:
                     conn.send_bytes(dumps(("events", events)))
                     events = []
@@ -102,6 +105,21 @@ def _sender(conn: Connection, out: queue.SimpleQueue) -> None:
                 conn.send_bytes(dumps(("events", events)))
     except OSError:  # the parent closed its end (it exited or gave up on this process)
         log.debug("the pipe to the server process closed")
+
+
+class _EventSink:
+    """Every request's event callback: events go to the sender's queue, a step's events as one
+    list (``Engine`` calls ``many`` once per step), so the sender thread is woken once per step;
+    each wake costs the engine thread a thread switch on a loaded machine."""
+
+    def __init__(self, out: queue.SimpleQueue) -> None:
+        self._out = out
+
+    def __call__(self, event: RequestEvent) -> None:
+        self._out.put(event)
+
+    def many(self, events: list[RequestEvent]) -> None:
+        self._out.put(events)
 
 
 def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
@@ -149,7 +167,7 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
     out.put(("ready", info))
     log.info("engine process %d ready (torch threads: %d, device: %s)", os.getpid(), info["num_threads"],
              info["device"])
-    callbacks = [out.put]  # one callback for every request: the event goes to the sender as it is
+    callbacks = [_EventSink(out)]  # one callback for every request: events go to the sender as they are
 
     def in_thread(fn: Callable[[], Any], reply_id: int) -> None:
         def run() -> None:

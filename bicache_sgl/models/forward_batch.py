@@ -134,7 +134,7 @@ class ForwardBatch:
         keys = row_seq * stride + all_pos
         want = lp_seq * stride + lp_all
         idx = np.searchsorted(keys, want)
-        if np.any(lp_all < 0) or np.any(idx >= T) or not np.array_equal(keys[np.minimum(idx, T - 1)], want):
+        if lp_all.size and (lp_all.min() < 0 or idx.max() >= T or (keys[idx] != want).any()):
             raise ValueError("a logit position is not among the computed positions")
         in_s = (local >= skip_from[row_seq]) & (local < skip_from[row_seq] + skip[row_seq])  # [T] row is in S
         assert not in_s[idx].any(), "logit row inside S"
@@ -185,7 +185,9 @@ class ForwardBatch:
                     hh.setdefault(layer + 1, []).append((self.segment_rows(i, pos, self.segment_of(layer + 1)), prow))
         for out, parts in ((self.capture_kv, kv), (self.capture_h, hh)):
             for layer, lst in parts.items():
-                out[layer] = (torch.cat([a for a, _ in lst]), torch.cat([b for _, b in lst]))
+                # one capturing sequence (the usual case): its index tensors as they are, no copy
+                out[layer] = lst[0] if len(lst) == 1 else \
+                    (torch.cat([a for a, _ in lst]), torch.cat([b for _, b in lst]))
 
     def segment_rows(self, seq: int, positions: np.ndarray, seg: Segment) -> torch.Tensor:
         """Indices into ``seg``'s active rows of sequence ``seq``'s ``positions`` (all active)."""

@@ -50,6 +50,9 @@ class Req:
         self.params = p = greq.params.resolved()  # the factory has filled in the model's defaults
         self.prompt = list(greq.input_ids)
         self.prompt_len = len(self.prompt)
+        # the prompt as the prefix index compares it (peeked every step while waiting): made once
+        self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
+        self.prompt_ids.flags.writeable = False  # the cache's capture contexts may keep it
         self.mask_id, self.shift, self.on_event = mask_id, logit_shift, on_event
         if plan.gen_len == 0:
             self.kind = "score" if greq.return_logprob else "prefill"
@@ -84,6 +87,7 @@ class Req:
         # and its step, the final (whole-block) output
         self.seq_len = self.prompt_len + plan.gen_len
         self.x = torch.tensor(self.prompt + [mask_id] * plan.gen_len, dtype=torch.long)
+        self._xn = self.x.numpy()  # the same memory (x is a CPU tensor): host-side reads and writes
         self.block = 0
         self.step_in_block = 0
         self.final_len = 0  # generated positions that are final (whole blocks)
@@ -175,7 +179,7 @@ class Req:
                 works.append(self._score_work())
             return works
         block = self.block_range
-        masked = block[0] + np.nonzero((self.x[block[0]:block[1]] == self.mask_id).numpy())[0]
+        masked = block[0] + np.flatnonzero(self._xn[block[0]:block[1]] == self.mask_id)
         refresh = self.plan.refreshes(self.step_in_block)
         positions = self.plan.step_positions(refresh, block, self.seq_len, self.shift, masked, self._unmasked_last)
         self.denoiser.plan_forward(len(masked), self.step_in_block == 0, self.generator)
@@ -223,9 +227,33 @@ class Req:
         self.skipped_layer_tokens += skip * depth
 
     # ----------------------------------------------------------------------------------- results
-    def apply(self, logits: list[torch.Tensor], n_layers: int) -> bool:
-        """Consume this request's logits (one tensor per SeqWork it planned). Returns True when a
-        block became final (an event should be emitted)."""
+    @property
+    def greedy_threshold(self) -> bool:
+        """Whether this step's decision is the plain greedy one that ``decoding.decide_greedy``
+        makes for many requests at once: a LLaDA-family threshold step at temperature 0 with no
+        filtering, bias, penalty, early ban, constraint, logprobs, guidance or audit (the
+        server's default sampling). Its processed logits are then the forward's with the mask
+        (and with ``ignore_eos`` the end ids) banned."""
+        p, d = self.params, self.denoiser
+        return (self.kind == "generate" and d.family == "llada" and self.plan.remasking == "low_confidence"
+                and bool(self.plan.threshold) and p.temperature <= 0 and p.top_k <= 0 and p.top_p >= 1.0
+                and p.min_p <= 0 and not p.logit_bias and not self.logits_processor.penalized
+                and (p.ignore_eos or p.min_new_tokens <= 0) and self.structured is None
+                and not self.greq.return_logprob and self.uncond is None and not self.auditing)
+
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        """The ids a greedy-threshold step bans on every position (see ``greedy_threshold``)."""
+        return self.logits_processor.suppress_ids if self.params.ignore_eos else (self.mask_id,)
+
+    def apply(self, logits: list[torch.Tensor], n_layers: int,
+              decision: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """Consume this request's logits (one tensor per SeqWork it planned). ``decision``: the
+        (tokens, confidence) the scheduler already made for this step's masked positions, for a
+        ``greedy_threshold`` request (CPU tensors). Returns True when a block became final (an
+        event should be emitted)."""
+        if decision is not None:
+            return self._transfer(None, decision)
         if self.kind != "generate":
             self.forward_passes += 1
             self.tokens_computed += self.prompt_len
@@ -253,31 +281,35 @@ class Req:
             self.logprobs.record_input(logits[k], self.prompt)
         return self._transfer(lg)
 
-    def _transfer(self, lg: torch.Tensor) -> bool:
+    def _transfer(self, lg: torch.Tensor | None, decision: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Unmask this step's positions from the logits [n_masked, V] of the block's masked
-        positions; at the block's end commit it and check the stop conditions."""
+        positions (or from the scheduler's ``decision``); at the block's end commit it and check
+        the stop conditions."""
         d = self.denoiser
-        lg = self.logits_processor(lg, self.x, self._pending, ban_mask=d.bans_mask)
         bs, be = self.block_range
-        if self.structured is not None:
-            try:
-                x0, conf, lp = self.structured.decide(lg, self.x[bs:be], self.mask_id, d, self.generator)
-            except NoCompletion as e:
-                self._finish(self.structured.no_completion(str(e), self.final_len))
-                return True
+        if decision is not None:
+            x0, conf = decision
         else:
-            x0, conf, lp = d.decide(lg, self.generator)
+            lg = self.logits_processor(lg, self.x, self._pending, ban_mask=d.bans_mask)
+            if self.structured is not None:
+                try:
+                    x0, conf, lp = self.structured.decide(lg, self.x[bs:be], self.mask_id, d, self.generator)
+                except NoCompletion as e:
+                    self._finish(self.structured.no_completion(str(e), self.final_len))
+                    return True
+            else:
+                x0, conf, lp = d.decide(lg, self.generator)
         # under a constraint every x0 is the DP path's token: the threshold (or the schedule)
         # picks which of the path's positions to unmask
-        chosen = d.select(conf, self.generator)
-        pos = torch.from_numpy(self._pending)[chosen]
-        self.x[pos] = x0[chosen]
-        self._unmasked_last = self._pending[chosen.numpy()]
+        chosen = d.select(conf, self.generator).cpu()
+        pos = self._pending[chosen.numpy()]
+        self._xn[pos] = x0[chosen].cpu().numpy()
+        self._unmasked_last = pos
         if self.greq.return_logprob:
             if not d.bans_mask:  # the mask token is never an output: not in the logprobs' distribution
                 lg[:, self.mask_id] = NEG_INF
             self.logprobs.record_output(lg, chosen, lp, self._pending)
-        if bool((self.x[bs:be] == self.mask_id).any()):
+        if (self._xn[bs:be] == self.mask_id).any():
             self.step_in_block += 1
             d.next_step()
             return False

@@ -7,7 +7,7 @@ request's reuse), plans every running request's sequences, commits the captures 
 whose first forward just ran, lets each request consume its logits, records audits, and retires
 the finished requests. It never runs the model.
 
-:class:`Admission` is the admission rule alone, tensor-free: it sees prompts (token lists), each
+:class:`Admission` is the admission rule alone, tensor-free: it sees prompts (int64 token arrays), each
 request's private K/V cost in positions (``kv_tokens``), the cached length of each waiting prompt
 (a non-mutating peek), and the running set, so it is tested on CPU in milliseconds.
 """
@@ -20,9 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from radix import common_prefix_len
 
 from ..config import SamplingParams
+from ..decoding import decide_greedy
 from ..io_struct import GenerateRequest
 
 if TYPE_CHECKING:
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class Schedulable(Protocol):
-    prompt: list[int]
+    prompt_ids: np.ndarray  # int64 [prompt_len]: compared vectorised, never converted per step
     kv_tokens: int
     internal: bool  # an output capture: the engine's prefill of a finished request's prompt + answer
 
@@ -101,9 +104,10 @@ class Admission:
                 break
             r = cands[i]
             if self.prefix_aware and picked and \
-                    any(common_prefix_len(p.prompt, r.prompt) >= cached[i] + self.min_shared for p in picked):
+                    any(common_prefix_len(p.prompt_ids, r.prompt_ids) >= cached[i] + self.min_shared for p in picked):
                 continue  # a picked request computes this shared prefix first
-            if any(j < i and common_prefix_len(c.prompt, r.prompt) > max(cached[i], cached[j]) for j, c in captures):
+            if any(j < i and common_prefix_len(c.prompt_ids, r.prompt_ids) > max(cached[i], cached[j])
+                   for j, c in captures):
                 continue  # a pending output capture (picked or not yet) inserts more of this prompt
             if r.kv_tokens > budget:
                 break
@@ -190,15 +194,16 @@ class Scheduler:
         for (a block became final, or the request finished and was retired), in order."""
         self.stats["num_forward_passes"] += 1
         emit: list[Req] = []
+        decisions = self._decide_greedy(batch, logits)
         i = 0
         for req, n in batch.reqs:
             parts, i = logits[i:i + n], i + n
             if req.finished:  # failed while planning: its works were not in the batch
                 continue
             if req.cache.capture is not None:  # its first forward just wrote the capture
-                self.cache.commit(req.prompt, req.cache, req.capture_len)
+                self.cache.commit(req.prompt_ids, req.cache, req.capture_len)
             try:
-                block_done = req.apply(parts, self.n_layers)
+                block_done = req.apply(parts, self.n_layers, decisions.get(id(req)))
             except Exception as e:
                 log.exception("request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
@@ -210,6 +215,25 @@ class Scheduler:
                 emit.append(req)
         return emit + self.retire_finished()
 
+    @staticmethod
+    def _decide_greedy(batch: Batch, logits: list[Any]) -> dict[int, tuple[Any, Any]]:
+        """The decisions of every ``greedy_threshold`` request of the batch, made together
+        (``decoding.decide_greedy``), keyed by ``id(req)``; the others decide on their own."""
+        reqs, parts, i = [], [], 0
+        for req, n in batch.reqs:
+            if n == 1 and not req.finished and req.greedy_threshold:
+                reqs.append(req)
+                parts.append(logits[i])
+            i += n
+        if not reqs:
+            return {}
+        try:
+            made = decide_greedy(parts, [r.banned_ids for r in reqs])
+        except Exception:  # each request then decides (and fails, if it must) on its own
+            log.exception("the batched greedy decision failed")
+            return {}
+        return {id(r): d for r, d in zip(reqs, made)}
+
     def fail_batch(self, batch: Batch, e: Exception) -> list[Req]:
         """The forward failed: every request of the batch ends with the error."""
         for req, _ in batch.reqs:
@@ -219,11 +243,11 @@ class Scheduler:
     def _admit(self) -> None:
         if not self.admission.waiting:
             return
-        for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt)):
+        for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt_ids)):
             self.running.append(req)
             try:
                 req.allocate(self._alloc)
-                req.cache = self.cache.admit(req.prompt, req.facts())
+                req.cache = self.cache.admit(req.prompt_ids, req.facts())
                 if req.choice.audit and req.kind == "generate":
                     req.audit_kv = self._alloc_shadow(req.seq_len)  # outside the budget
                     req.auditing = req.audit_kv is not None
