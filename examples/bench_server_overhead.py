@@ -3,17 +3,33 @@ requests through ``Engine.run_sync`` in this process (docs/performance.md, "the 
 server cost").
 
 Workload: ``--items`` held-out few-shot questions (bicache_sgl.training.task, 8 shots), each
-generating ``--max-new-tokens`` greedily, sent one after another (concurrency 1). Per mode and
-round it prints three medians:
+generating ``--max-new-tokens`` greedily, sent one after another (concurrency 1). Per mode,
+client and round it prints three medians:
 
-- ``server``: wall time of ``Runtime.generate`` (HTTP POST /generate on a new connection, the
-  server's parse + tokenization, the ZMQ hop to the engine process, the engine, the hop back,
-  the JSON answer);
+- ``server``: wall time of one HTTP request (the client's send, the server's parse +
+  tokenization, the pipe to the engine process, the engine, the pipe back, the JSON answer,
+  the client's read);
 - ``alone``: wall time of ``Engine.run_sync`` on the same items (tokenization included);
-- ``paired``: per request, the server wall time minus the engine's own ``meta_info.e2e_latency``
-  (measured inside the engine process from when it built the request to its final event), so the
-  model's share cancels out request by request and the figure is what the server adds around the
-  engine; far less noisy on a loaded machine than ``server - alone``.
+- ``paired`` (``--route generate`` only): per request, the server wall time minus the engine's
+  own ``meta_info.e2e_latency`` (measured inside the engine process from when it built the
+  request to its final event), so the model's share cancels out request by request and the
+  figure is what the server adds around the engine; far less noisy on a loaded machine than
+  ``server - alone``.
+
+``--client`` picks how requests are sent (comma-separated, each measured on its own):
+
+- ``new``: a new connection per request (urllib, ``Connection: close``), as SGLang's frontend
+  sends them (``sglang.utils.http_request`` behind ``RuntimeEndpoint`` opens one per call with
+  ``urllib.request.urlopen``; streams use a fresh ``requests.post``) and as
+  ``sglang.bench_serving`` does (an aiohttp session per request);
+- ``keepalive``: one persistent HTTP/1.1 connection reused for every request, as the openai
+  client does (httpx with a pool of keep-alive connections).
+
+``--route`` picks the route: ``generate`` (native), ``completions`` (``/v1/completions``, the
+same prompt text) or ``chat`` (``/v1/chat/completions``, the prompt as one user message: its
+tokens differ from the other routes', so ``alone`` is left out). The OpenAI answers carry no
+engine latency, so those routes have no paired figure; with ``--code`` they compare trees by
+the per-request wall-time difference instead.
 
 Servers and engines are started once per mode and kept up; rounds alternate between them, so a
 slow stretch of a shared machine hits every mode alike.
@@ -23,22 +39,101 @@ one made with ``git worktree add /tmp/base OLD``; each PATH is a PYTHONPATH whos
 a tree, so ``/opt/extra:/tmp/base`` adds packages to one side): one server per tree and mode,
 started from an empty folder with that PYTHONPATH (so ``python -m`` cannot pick up the current
 folder), the same request sent to each in turn (A B, then B A), and per tree the medians above
-plus the median per-request ratio of its paired overhead to the first tree's.
+plus, per request, the median ratio of its paired overhead to the first tree's and the median
+difference of its wall time from the first tree's.
 
     python examples/bench_server_overhead.py                       # off and bicache, 3 rounds
-    python examples/bench_server_overhead.py --modes off --rounds 5 --items 32
+    python examples/bench_server_overhead.py --modes off --rounds 5 --items 32 --client keepalive
     python examples/bench_server_overhead.py --modes off --no-alone --code /tmp/base,$PWD
+    python examples/bench_server_overhead.py --route chat --client keepalive --no-alone --code /tmp/base,$PWD
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import shlex
 import statistics
 import time
+import urllib.parse
+from typing import Any
+
+import orjson
+
+CLIENTS = ("new", "keepalive")
+ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-def main(argv: list[str] | None = None) -> None:
+class KeepAliveClient:
+    """POSTs JSON over one persistent HTTP/1.1 connection (reopened if the server closed it), as
+    an httpx pool keeps one per host for sequential requests."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+        u = urllib.parse.urlsplit(url)
+        self.host, self.port, self.timeout = u.hostname or "127.0.0.1", u.port or 80, timeout
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.conn: http.client.HTTPConnection | None = None
+
+    def post(self, path: str, payload: Any) -> Any:
+        body = orjson.dumps(payload)
+        for attempt in (0, 1):  # a connection the server timed out is reopened once
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            try:
+                self.conn.request("POST", path, body, self.headers)
+                r = self.conn.getresponse()
+                data = r.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            if r.status != 200:
+                raise RuntimeError(f"POST {path}: HTTP {r.status}: {data[:300]!r}")
+            if r.getheader("connection", "").lower() == "close":
+                self.close()
+            return orjson.loads(data)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def payload(route: str, prompt: str, sp: dict[str, Any]) -> dict[str, Any]:
+    """The request body of one few-shot question on ``route`` (greedy, ``max_new_tokens``)."""
+    if route == "generate":
+        return {"text": prompt, "sampling_params": sp}
+    opts = {"model": "default", "max_tokens": sp["max_new_tokens"], "temperature": sp["temperature"]}
+    if route == "completions":
+        return {"prompt": prompt, **opts}
+    return {"messages": [{"role": "user", "content": prompt}], **opts}
+
+
+class Sender:
+    """Sends one route's requests to one server with one kind of client; returns (wall, engine
+    latency or None)."""
+
+    def __init__(self, rt: Any, client: str, route: str):
+        self.rt, self.client, self.route, self.path = rt, client, route, ROUTES[route]
+        self.keepalive = KeepAliveClient(rt.url, rt.api_key) if client == "keepalive" else None
+
+    def send(self, prompt: str, sp: dict[str, Any]) -> tuple[float, float | None]:
+        body = payload(self.route, prompt, sp)
+        t = time.perf_counter()
+        out = self.keepalive.post(self.path, body) if self.keepalive is not None else self.rt.request(self.path, body)
+        wall = time.perf_counter() - t
+        return wall, (out["meta_info"]["e2e_latency"] if self.route == "generate" else None)
+
+    def close(self) -> None:
+        if self.keepalive is not None:
+            self.keepalive.close()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="off,bicache", help="comma-separated --prefix-cache modes")
     ap.add_argument("--items", type=int, default=48, help="requests per round")
@@ -47,13 +142,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server-args", default="", help="extra launch_server flags, e.g. '--num-threads 1'")
     ap.add_argument("--no-alone", action="store_true", help="skip Engine.run_sync (only the paired figure)")
     ap.add_argument("--code", default="", help="comma-separated source trees to compare, request by request")
+    ap.add_argument("--client", default="new,keepalive",
+                    help="comma-separated: new (a connection per request, as SGLang's frontend), "
+                         "keepalive (one persistent connection, as the openai client)")
+    ap.add_argument("--route", default="generate", choices=sorted(ROUTES))
     args = ap.parse_args(argv)
+    args.clients = [c for c in args.client.split(",") if c]
+    bad = [c for c in args.clients if c not in CLIENTS]
+    if bad or not args.clients:
+        ap.error(f"--client: expected a comma-separated list of {', '.join(CLIENTS)}, got {args.client!r}")
+    if args.route == "chat":
+        args.no_alone = True  # the chat template changes the prompt: run_sync has no same-token counterpart
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
     if args.code:
         compare_code(args, [c for c in args.code.split(",") if c])
         return
 
-    from bicache_sgl import Engine, SamplingParams
-    from bicache_sgl.io_struct import GenerateRequest
+    from bicache_sgl import Engine
     from bicache_sgl.runtime import Runtime
     from bicache_sgl.training import task
 
@@ -62,43 +171,55 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m for m in args.modes.split(",") if m]
     extra = _flags(args.server_args)
     runtimes = {m: Runtime(None, prefix_cache=m, **extra) for m in modes}
+    senders = {(m, c): Sender(runtimes[m], c, args.route) for m in modes for c in args.clients}
     engines = {} if args.no_alone else {m: Engine(prefix_cache=m, num_threads=1) for m in modes}
     try:
         for m in modes:  # warm both paths up (first forward, caches), then start from an empty cache
-            runtimes[m].generate(items[0]["prompt"], sp)
+            for c in args.clients:
+                senders[m, c].send(items[0]["prompt"], sp)
             runtimes[m].flush_cache()
             if m in engines:
-                eng = engines[m]
-                eng.run_sync([GenerateRequest(eng.encode(items[0]["prompt"]), SamplingParams(**sp))])
-                eng.cache.flush()
+                _alone(engines[m], items[0]["prompt"], sp)
+                engines[m].cache.flush()
         for r in range(args.rounds):
             for m in modes:
-                rt = runtimes[m]
-                rt.flush_cache()
-                lat, paired = [], []
-                for it in items:
-                    t = time.perf_counter()
-                    out = rt.generate(it["prompt"], sp)
-                    wall = time.perf_counter() - t
-                    lat.append(wall)
-                    paired.append(wall - out["meta_info"]["e2e_latency"])
-                line = (f"round {r + 1} {m:>8}: server {_ms(lat)} ms, paired overhead {_ms(paired, 2)} ms")
+                alone: list[float] = []
                 if m in engines:
                     eng = engines[m]
                     eng.cache.flush()
-                    alone = []
+                    alone = [_alone(eng, it["prompt"], sp) for it in items]
+                for c in args.clients:
+                    runtimes[m].flush_cache()
+                    lat, paired = [], []
                     for it in items:
-                        t = time.perf_counter()
-                        eng.run_sync([GenerateRequest(eng.encode(it["prompt"]), SamplingParams(**sp))])
-                        alone.append(time.perf_counter() - t)
-                    line += (f", engine alone {_ms(alone)} ms, server - alone "
-                             f"{(statistics.median(lat) - statistics.median(alone)) * 1e3:.1f} ms")
-                print(line, flush=True)
+                        wall, e2e = senders[m, c].send(it["prompt"], sp)
+                        lat.append(wall)
+                        if e2e is not None:
+                            paired.append(wall - e2e)
+                    line = f"round {r + 1} {m:>8} {c:>9}: server {_ms(lat)} ms"
+                    if paired:
+                        line += f", paired overhead {_ms(paired, 2)} ms"
+                    if alone:
+                        line += (f", engine alone {_ms(alone)} ms, server - alone "
+                                 f"{(statistics.median(lat) - statistics.median(alone)) * 1e3:.1f} ms")
+                    print(line, flush=True)
     finally:
+        for s in senders.values():
+            s.close()
         for rt in runtimes.values():
             rt.shutdown()
         for eng in engines.values():
             eng.shutdown()
+
+
+def _alone(eng: Any, prompt: str, sp: dict[str, Any]) -> float:
+    """Wall time of one request through ``Engine.run_sync`` (tokenization included)."""
+    from bicache_sgl import SamplingParams
+    from bicache_sgl.io_struct import GenerateRequest
+
+    t = time.perf_counter()
+    eng.run_sync([GenerateRequest(eng.encode(prompt), SamplingParams(**sp))])
+    return time.perf_counter() - t
 
 
 def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
@@ -106,8 +227,7 @@ def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
     import os
     import tempfile
 
-    from bicache_sgl import Engine, SamplingParams
-    from bicache_sgl.io_struct import GenerateRequest
+    from bicache_sgl import Engine
     from bicache_sgl.runtime import Runtime
     from bicache_sgl.training import task
 
@@ -127,39 +247,8 @@ def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
                            **extra) for p in paths]
             eng = None if args.no_alone else Engine(prefix_cache=mode, num_threads=1)  # this process's tree
             try:
-                for rt in rts:
-                    rt.generate(items[0]["prompt"], sp)
-                    rt.flush_cache()
-                if eng is not None:
-                    eng.run_sync([GenerateRequest(eng.encode(items[0]["prompt"]), SamplingParams(**sp))])
-                lat: list[list[float]] = [[] for _ in trees]
-                paired: list[list[float]] = [[] for _ in trees]
-                alone: list[float] = []
-                for r in range(args.rounds):
-                    for rt in rts:
-                        rt.flush_cache()
-                    if eng is not None:
-                        eng.cache.flush()
-                    for k, it in enumerate(items):
-                        if eng is not None:
-                            t0 = time.perf_counter()
-                            eng.run_sync([GenerateRequest(eng.encode(it["prompt"]), SamplingParams(**sp))])
-                            alone.append(time.perf_counter() - t0)
-                        order = range(len(trees)) if (r * len(items) + k) % 2 == 0 else reversed(range(len(trees)))
-                        for i in order:
-                            t0 = time.perf_counter()
-                            out = rts[i].generate(it["prompt"], sp)
-                            wall = time.perf_counter() - t0
-                            lat[i].append(wall)
-                            paired[i].append(wall - out["meta_info"]["e2e_latency"])
-                for i, t in enumerate(trees):
-                    ratio = statistics.median(b / a for a, b in zip(paired[0], paired[i]))
-                    vs = (f", server - alone {(statistics.median(lat[i]) - statistics.median(alone)) * 1e3:.1f} ms"
-                          if alone else "")
-                    print(f"{mode:>8} {t}: server {_ms(lat[i])} ms, paired overhead {_ms(paired[i], 2)} ms, "
-                          f"paired / first tree's per request {ratio:.2f} (n={len(lat[i])}){vs}", flush=True)
-                if alone:
-                    print(f"{mode:>8} engine alone (Engine.run_sync, this process): {_ms(alone)} ms", flush=True)
+                for client in args.clients:
+                    _compare_client(args, trees, rts, eng, mode, client, items, sp)
             finally:
                 for rt in rts:
                     rt.shutdown()
@@ -167,6 +256,49 @@ def compare_code(args: argparse.Namespace, trees: list[str]) -> None:
                     eng.shutdown()
     finally:
         os.chdir(here)
+
+
+def _compare_client(args: argparse.Namespace, trees: list[str], rts: list[Any], eng: Any, mode: str,
+                    client: str, items: list[dict], sp: dict[str, Any]) -> None:
+    """The ``--code`` rounds of one client kind: every request to each tree in turn."""
+    senders = [Sender(rt, client, args.route) for rt in rts]
+    try:
+        for s in senders:
+            s.send(items[0]["prompt"], sp)
+        if eng is not None:
+            _alone(eng, items[0]["prompt"], sp)
+        lat: list[list[float]] = [[] for _ in trees]
+        paired: list[list[float]] = [[] for _ in trees]
+        alone: list[float] = []
+        for r in range(args.rounds):
+            for rt in rts:
+                rt.flush_cache()
+            if eng is not None:
+                eng.cache.flush()
+            for k, it in enumerate(items):
+                if eng is not None:
+                    alone.append(_alone(eng, it["prompt"], sp))
+                order = range(len(trees)) if (r * len(items) + k) % 2 == 0 else reversed(range(len(trees)))
+                for i in order:
+                    wall, e2e = senders[i].send(it["prompt"], sp)
+                    lat[i].append(wall)
+                    if e2e is not None:
+                        paired[i].append(wall - e2e)
+        for i, t in enumerate(trees):
+            diff = statistics.median(b - a for a, b in zip(lat[0], lat[i]))
+            line = f"{mode:>8} {client:>9} {args.route} {t}: server {_ms(lat[i])} ms"
+            if paired[i]:
+                ratio = statistics.median(b / a for a, b in zip(paired[0], paired[i]))
+                line += f", paired overhead {_ms(paired[i], 2)} ms, paired / first tree's per request {ratio:.2f}"
+            line += f", wall - first tree's per request {diff * 1e3:+.2f} ms (n={len(lat[i])})"
+            if alone:
+                line += f", server - alone {(statistics.median(lat[i]) - statistics.median(alone)) * 1e3:.1f} ms"
+            print(line, flush=True)
+        if alone:
+            print(f"{mode:>8} {client:>9} engine alone (Engine.run_sync, this process): {_ms(alone)} ms", flush=True)
+    finally:
+        for s in senders:
+            s.close()
 
 
 def _ms(xs: list[float], digits: int = 1) -> str:

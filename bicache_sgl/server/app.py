@@ -10,6 +10,7 @@ and then await events (see :mod:`bicache_sgl.server.bridge`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -25,9 +26,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.routing import Route
 
 from bicache_sgl.engine.interface import EngineClient
-from bicache_sgl.engine.process import EngineDeadError
+from bicache_sgl.engine.process import EngineDeadError, EngineProcessClient
 from bicache_sgl.server import native_api, openai_api
 from bicache_sgl.server.args import ServerArgs
 from bicache_sgl.server.middleware import CLIENT_CLOSED, AuthAndCount
@@ -50,6 +52,9 @@ def create_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if isinstance(engine, EngineProcessClient):
+            # events reach their request on the loop without the receiver thread's hop
+            engine.attach_loop(asyncio.get_running_loop())
         threading.Thread(target=warmup_and_announce, args=(state,), name="bicache-warmup", daemon=True).start()
         try:
             yield
@@ -64,18 +69,30 @@ def create_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     app.add_exception_handler(EngineDeadError, engine_dead_handler)
     app.add_exception_handler(ClientDisconnect, client_gone_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
-    add_routes(app, native_api.router)
-    add_routes(app, openai_api.router)
+    add_routes(app, native_api.router, openai_api.router)
     return app
 
 
-def add_routes(app: FastAPI, router: APIRouter) -> None:
-    """Register the router's handlers as the app's own routes. Unlike ``include_router`` (which
+# The generation routes: matched first, and served as plain Starlette routes. Their handlers take
+# only the Request and return a Response, so FastAPI's per-request wrapper (dependency solving,
+# an exit stack, response checks) would do nothing for them but cost time on every request.
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def add_routes(app: FastAPI, *routers: APIRouter) -> None:
+    """Register the routers' handlers as the app's own routes. Unlike ``include_router`` (which
     newer FastAPI versions keep as one nested entry), this keeps ``app.routes`` a flat list of
-    paths, which the per-route /metrics labels and the route-enumerating auth tests read."""
-    for route in router.routes:
+    paths, which the per-route /metrics labels and the route-enumerating auth tests read. The
+    routes of :data:`GENERATION_PATHS` come first, as plain Starlette routes."""
+    routes = [r for router in routers for r in router.routes]
+    for route in routes:
         assert isinstance(route, APIRoute), route
-        app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name)
+    for route in routes:
+        if route.path in GENERATION_PATHS:
+            app.router.routes.append(Route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name))
+    for route in routes:
+        if route.path not in GENERATION_PATHS:
+            app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> ORJSONResponse:

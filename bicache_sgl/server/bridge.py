@@ -1,9 +1,11 @@
 """The one place where the asyncio HTTP layer meets the engine's events.
 
-``engine.submit(req, on_event)`` returns at once; ``on_event`` runs on another thread (the
-engine client's receiver thread when the engine is in its own process, the default; the engine
-thread with ``--engine-in-process``) and only hands the event to the event loop
-(``loop.call_soon_threadsafe``), so neither side ever blocks the other. One :class:`Submission`
+``engine.submit(req, on_event)`` returns at once; ``on_event`` runs on the event loop itself
+when the engine is in its own process (the default: the app has the engine client read its pipe
+on the loop, ``EngineProcessClient.attach_loop``), else on another thread (the engine thread with
+``--engine-in-process``, the client's receiver thread before the app started, a worker decoding
+logprob texts), from where it only hands the event to the loop (``loop.call_soon_threadsafe``),
+so neither side ever blocks the other. One :class:`Submission`
 (one asyncio.Queue) serves all engine requests of one HTTP request (a batch, ``n`` samples).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -52,10 +55,14 @@ class Submission:
         HTTP request is cancelled meanwhile, the items already submitted are aborted."""
         loop = asyncio.get_running_loop()
         q = self.queue
+        loop_thread = threading.get_ident()
 
         def make_cb(i: int):
-            def on_event(ev: RequestEvent) -> None:  # another thread: hand over, never block
-                try:
+            def on_event(ev: RequestEvent) -> None:  # never blocks
+                if threading.get_ident() == loop_thread:  # the loop reads the engine's pipe itself
+                    q.put_nowait((i, ev))
+                    return
+                try:  # another thread: hand over
                     loop.call_soon_threadsafe(q.put_nowait, (i, ev))
                 except RuntimeError:  # loop closed (server shutting down)
                     pass

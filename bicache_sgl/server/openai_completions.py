@@ -148,7 +148,7 @@ def stopped_on_token(ev: RequestEvent) -> int | None:
 
 @dataclass
 class CompletionJob(Job):
-    texts: list[str] = field(default_factory=list)  # prompt text per prompt (for echo)
+    texts: list[str] = field(default_factory=list)  # prompt text per prompt (for echo; "" for ids without echo)
     echo: bool = False
     logprobs: int | None = None
     # echo + logprobs: each prompt's left-to-right (entries, tops), from echo_prompt_logprobs
@@ -226,7 +226,9 @@ async def completions(request: Request) -> Response:
     sub = state.new_submission(items)
     job = CompletionJob(state=state, sub=sub, items=items, object_type="text_completion",
                         rid=f"cmpl-{new_rid()}",
-                        texts=[p if p is not None else state.tokenizer.decode(ids) for p, ids in zip(texts, id_lists)],
+                        # only echo shows a prompt's text: token-id prompts are decoded only then
+                        texts=[p if p is not None else state.tokenizer.decode(ids) if echo else ""
+                               for p, ids in zip(texts, id_lists)],
                         echo=echo, logprobs=logprobs)
     if job.scoring:
         prompt_lp = await echo_prompt_logprobs(state, request, id_lists, logprobs or 0)
