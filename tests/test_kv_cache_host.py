@@ -364,3 +364,33 @@ def test_free_parts_leaves_the_free_list_free_leaves() -> None:
     b.free(np.concatenate([p.ravel() for p in parts]))
     assert np.array_equal(a.free_set(), b.free_set()) and a.num_free == b.num_free
     assert np.array_equal(a.alloc(a.num_free), b.alloc(b.num_free))
+
+
+def test_planner_small_and_array_paths_agree() -> None:
+    """The planner judges a few runs in plain Python and many with numpy: both give the per-row
+    rule's usable depths and the brute-force best span, on both sides of each threshold."""
+    from bicache_sgl.bicache import planner
+    L = 8
+    policy = ProfilePolicy(L, BicacheProfile(((0.0, 1), (20.0, 3), (50.0, 6), (80.0, 8)), L))
+    rng = np.random.default_rng(5)
+    for m in (30, 2 * planner._SMALL_RUN_CELLS // L):  # small path, then the array path
+        for _ in range(10):
+            ctx = rng.integers(-1, 4, (m, L))
+            ctx[rng.random(m) < 0.5] = ctx[0]  # runs of equal rows among single rows
+            shared = {c: (int(rng.integers(0, 100)), int(rng.integers(50, 200))) for c in range(4)}
+            match = MatchFacts(m, ((m, L),), ctx >= 0, ctx, shared)
+            assert (match.run_rows()[1].size <= planner._SMALL_RUN_CELLS) == (m == 30)
+            got, _ = usable_depths(policy, match, 120)
+            assert got.tolist() == reference_usable(policy, match, 120).tolist()
+    for n_runs in (5, planner._SMALL_RUNS + 1, 150):
+        for _ in range(20):
+            lengths = rng.integers(1, 6, n_runs)
+            per_run = rng.integers(0, 9, n_runs)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            got = planner.best_span_runs(bounds, per_run)
+            assert got == planner._best_span_small(bounds.tolist(), per_run.tolist())
+            usable = np.repeat(per_run, lengths)
+            s, e, d = got
+            best = max((e2 - s2) * int(usable[s2:e2].min()) for s2 in range(len(usable))
+                       for e2 in range(s2 + 1, min(len(usable), s2 + 60) + 1))
+            assert (e - s) * d >= best and (d == 0 or d <= usable[s:e].min())
