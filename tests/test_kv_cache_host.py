@@ -394,3 +394,19 @@ def test_planner_small_and_array_paths_agree() -> None:
             best = max((e2 - s2) * int(usable[s2:e2].min()) for s2 in range(len(usable))
                        for e2 in range(s2 + 1, min(len(usable), s2 + 60) + 1))
             assert (e - s) * d >= best and (d == 0 or d <= usable[s:e].min())
+
+
+def test_held_depth_by_class_is_the_per_row_held_depth() -> None:
+    """One ctx column per class run (one column for a single class) gives the depth a read of
+    every row of every slot gives, after any history of binds and drops."""
+    import torch
+    L = 6
+    for seed in range(20):
+        rng = np.random.default_rng(100 + seed)
+        pool = KVPool(_Shape6(), 32, 2000, 4, torch.float32, torch.device("cpu"))
+        slots = _random_pool_history(rng, pool, L)
+        for _ in range(20):
+            sl = rng.permutation(slots)[: int(rng.integers(1, len(slots) + 1))]
+            assert pool.held_depth_by_class(sl) == pool.held_depth(sl)
+            one = sl[pool.cls[sl] == pool.cls[sl[0]]]  # a single class
+            assert pool.held_depth_by_class(one) == pool.held_depth(one)

@@ -75,6 +75,7 @@ class CacheGrant:
     resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
+    slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # matched + new slots: what commit inserts
     # (slots, first layer, rows [layers, len(slots)], slots are new) per stored range: one table
     # rectangle each
     pending: list[tuple[np.ndarray, int, np.ndarray, bool]] = field(default_factory=list)
@@ -173,9 +174,23 @@ class CacheManager:
             # free_tokens dropped); one over matched tokens may race a concurrent upgrade
             grant.pending.append((slots[s:e], lo, block, s >= matched))
             off += n
-        # The forward reads per layer (positions, rows). A layer inside one range reads a slice
-        # of the one device copy; a layer inside several reads their rows concatenated, appended
-        # to the same host buffer so there is still one host -> device copy.
+        grant.new_slots = new_slots
+        grant.slots = slots
+        grant.touched = [(s, e) for s, e, _, _ in ranges]
+        grant.capture = Capture(self._capture_layers(ranges, blocks, all_rows))
+
+    def _capture_layers(self, ranges: tuple[tuple[int, int, int, int], ...], blocks: list[np.ndarray],
+                        all_rows: np.ndarray) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+        """The forward's per-layer (positions, device rows) for the stored ranges: one host ->
+        device copy of the rows, split into views.
+
+        A layer inside one range reads a slice of the one device copy; a layer inside several reads
+        their rows concatenated, appended to the same host buffer so there is still one copy."""
+        if len(ranges) == 1:  # the common case: one [hi - lo, e - s] block, one view per layer
+            s, e, lo, hi = ranges[0]
+            pos = np.arange(s, e, dtype=np.int64)  # shared by every layer (the forward keys on it)
+            views = self.pool.to_device(all_rows).view(hi - lo, e - s).unbind(0)
+            return dict(zip(range(lo, hi), ((pos, v) for v in views)))
         # the active ranges change only at a range's first or end layer: one set per interval
         cuts = sorted({0, self.pool.n_layers, *(x for _, _, lo, hi in ranges for x in (lo, hi))})
         per_layer: list[tuple[int, tuple[int, ...]]] = []
@@ -211,9 +226,7 @@ class CacheManager:
                 pos = by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
                                                        for j in active])
             layers[layer] = (pos, chunks[c])
-        grant.new_slots = new_slots
-        grant.touched = [(s, e) for s, e, _, _ in ranges]
-        grant.capture = Capture(layers)
+        return layers
 
     def commit(self, prompt: Sequence[int], grant: CacheGrant, capture_len: int) -> None:
         """The first forward has written the capture: bind its rows (recording the context they
@@ -224,20 +237,24 @@ class CacheManager:
         grant.capture = None
         pending, grant.pending = grant.pending, []
         new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
+        all_slots, grant.slots = grant.slots, _NO_SLOTS
         self.in_flight_tokens -= len(new_slots)
         if pending:
             ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
             lost = []
             for slots, lo, block, fresh in pending:  # one rectangle of the table per stored range
                 self.in_flight_rows -= block.size
-                lost.append(self.pool.bind_block(slots, lo, block, ctx, fresh=fresh))
-            self.pool.rows.free(np.concatenate(lost))  # rows a concurrent upgrade beat
+                beaten = self.pool.bind_block(slots, lo, block, ctx, fresh=fresh)
+                if beaten.size:
+                    lost.append(beaten)
+            if lost:  # rows a concurrent upgrade beat
+                self.pool.rows.free_parts(lost)
             self.pool.contexts.forget(ctx)  # nothing bound (every row lost): drop the registration
         handle, new_leaf = grant.handle, None
         if len(new_slots):
             try:
                 # depth 0: existing nodes are never changed by an insert; depths are set below
-                res = self.index.insert(prompt, np.concatenate([grant.matched_slots, new_slots]), 0)
+                res = self.index.insert(prompt, all_slots, 0)
             except Exception:
                 log.exception("prefix cache insert failed; continuing without caching this prompt")
                 self.pool.free_tokens(new_slots)
@@ -270,7 +287,7 @@ class CacheManager:
             grant.pending = []
             self.pool.tokens.free(grant.new_slots)
             self.in_flight_tokens -= len(grant.new_slots)
-            grant.new_slots = _NO_SLOTS
+            grant.new_slots = grant.slots = _NO_SLOTS
         if grant.handle is not None:
             self.index.unlock(grant.handle)
             grant.handle = None

@@ -271,8 +271,14 @@ class KVPool:
         exactly where it has a context), not the whole ``[n, L]`` table."""
         if len(slots) == 0:
             return self.n_layers
-        full = (self.layer_ctx[:, slots[self.class_runs(slots)]] >= 0).all(axis=1)
-        return int(np.argmin(full)) if not full.all() else self.n_layers
+        cls = self.cls[slots]
+        if cls[0] == cls[-1] and not (cls != cls[0]).any():  # one class (a node's usual case): one column
+            have = self.layer_ctx[:, int(slots[0])] >= 0
+        else:
+            runs = np.flatnonzero(cls[1:] != cls[:-1]) + 1
+            have = (self.layer_ctx[:, slots[runs]] >= 0).all(axis=1) & (self.layer_ctx[:, int(slots[0])] >= 0)
+        lacking = np.flatnonzero(~have)
+        return int(lacking[0]) if lacking.size else self.n_layers
 
     def copy_rows_to(self, out: np.ndarray, slots: np.ndarray, depth: int) -> None:
         """``out[:depth] = rows_of(slots, depth)`` ([depth, n]), reading each contiguous run of
