@@ -410,3 +410,35 @@ def test_held_depth_by_class_is_the_per_row_held_depth() -> None:
             assert pool.held_depth_by_class(sl) == pool.held_depth(sl)
             one = sl[pool.cls[sl] == pool.cls[sl[0]]]  # a single class
             assert pool.held_depth_by_class(one) == pool.held_depth(one)
+
+
+def test_int32_tables_and_allocator_hand_out_int64_ids() -> None:
+    """The pool stores row and context ids as int32 where they fit; what it hands out (row ids,
+    the rows a SeqKV reads) is int64, and an allocator refuses a range its dtype cannot hold."""
+    import torch
+    pool = KVPool(_Shape(), 16, 64, 4 * 10, torch.float32, torch.device("cpu"))
+    assert pool.layer_table.dtype == pool.layer_ctx.dtype == np.int32
+    rows = pool.rows.alloc(8)
+    assert rows.dtype == np.int64 and pool.request_rows.alloc(4).dtype == np.int64
+    slots = pool.tokens.alloc(2)
+    ctx = pool.contexts.new(np.arange(3), 10)
+    pool.bind_block(slots, 0, rows.reshape(4, 2), ctx, fresh=True)
+    assert pool.rows_of(slots, 4).dtype == np.int64
+    assert np.array_equal(pool.rows_of(slots, 4), rows.reshape(4, 2))
+    with pytest.raises(ValueError, match="int32"):
+        SlotAllocator(10, offset=np.iinfo(np.int32).max - 5, dtype=np.int32)
+
+
+def test_capture_context_ids_are_reused_only_once_forgotten() -> None:
+    """A forgotten context's id is given again (ids stay below the live count, so they fit the
+    int32 ctx table); a context still referred to by a row keeps its id and its record."""
+    from bicache_sgl.kv_cache.pool import CaptureContexts
+    c = CaptureContexts()
+    a, b = c.new(np.arange(3), 10), c.new(np.arange(4), 11)
+    c.ref(a, 2)
+    c.forget(b)  # never bound: dropped, its id spare
+    c.forget(b)  # a second forget is a no-op (the id is not spared twice)
+    b2, d = c.new(np.arange(5), 12), c.new(np.arange(6), 13)
+    assert b2 == b and d not in (a, b) and c.seq_len(b2) == 12 and c.tokens(a).tolist() == [0, 1, 2]
+    c.unref(np.array([a, a]))
+    assert c.new(np.arange(1), 1) == a and len(c) == 3

@@ -127,7 +127,7 @@ class CacheManager:
         if d > 0 and p > a and kv is not None:
             self.pool.share_prefix(kv, slots[a:p], d, start=a)
             if d < self.pool.n_layers:
-                grant.resume_rows = self.pool.layer_table[d - 1, slots[a:p]]  # a fancy index: a copy
+                grant.resume_rows = self.pool.layer_table[d - 1, slots[a:p]].astype(np.int64)  # a copy
 
     def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
         """The match in runs of equally captured tokens (one ``KVPool.cls`` label per token, then
