@@ -64,6 +64,12 @@ class PrefixIndex(ABC):
         early; between two items the caller may only lower the yielded node's depth."""
 
     @abstractmethod
+    def halve_cold(self, min_depth: int, need: int) -> tuple[list[NodeHandle], list[int], int]:
+        """Halve unlocked nodes deeper than ``min_depth`` (to ``max(min_depth, depth // 2)``) in
+        :meth:`trim_candidates` order until ``need`` layer-tokens are dropped: (nodes halved, in
+        order, the depth each halving left, layer-tokens dropped). The caller frees the rows."""
+
+    @abstractmethod
     def depth_histogram(self) -> dict[int, int]:
         """Cached tokens per node depth."""
 
@@ -151,6 +157,10 @@ class NullRadixTree(PrefixIndex):
 
     def trim_candidates(self, min_depth: int) -> Iterator[NodeHandle]:
         return iter(())
+
+    def halve_cold(self, min_depth: int, need: int) -> tuple[list[NodeHandle], list[int], int]:
+        check_depth(min_depth)
+        return [], [], 0
 
     def depth_histogram(self) -> dict[int, int]:
         return {}

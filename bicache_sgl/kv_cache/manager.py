@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -318,25 +317,15 @@ class CacheManager:
     def _trim(self, need: int) -> None:
         """Halve the depth of cold unlocked nodes, least recently used first, until ``need`` rows
         are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
-        freed = 0
-        slots: list[np.ndarray] = []
-        keep: list[int] = []  # the depth each trimmed node keeps
         # one pass halves each cold node once, the next pass again (the index's trim order). An
         # unlocked node's tokens hold rows exactly for layers < its depth (check_integrity), so
-        # what a halving frees is known before the rows are dropped, all at once, after the walk.
-        with closing(self.index.trim_candidates(MIN_TRIM_DEPTH)) as nodes:
-            for node in nodes:
-                new = max(MIN_TRIM_DEPTH, node.depth // 2)
-                freed += len(node.value) * (node.depth - new)
-                self.index.set_depth(node, new)
-                slots.append(node.value)
-                keep.append(new)
-                if freed >= need:
-                    break
-        if slots:
+        # the layer-tokens the index drops are the rows to free, all at once, after the walk.
+        nodes, keep, _ = self.index.halve_cold(MIN_TRIM_DEPTH, need)
+        if nodes:
+            values = [node.value for node in nodes]
             # a node halved twice appears twice; its later (lower) depth is what it keeps
-            keep_per_slot = np.repeat(np.asarray(keep, dtype=np.int64), [len(v) for v in slots])
-            self.trimmed_layer_tokens += self._drop_min(np.concatenate(slots), keep_per_slot)
+            keep_per_slot = np.repeat(np.asarray(keep, dtype=np.int64), [len(v) for v in values])
+            self.trimmed_layer_tokens += self._drop_min(np.concatenate(values), keep_per_slot)
 
     def _drop_min(self, slots: np.ndarray, keep: np.ndarray) -> int:
         """``drop_layers`` for slots listed more than once: each keeps its lowest depth."""
