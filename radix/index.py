@@ -44,8 +44,9 @@ class PrefixIndex(ABC):
         """Undo one :meth:`lock`."""
 
     @abstractmethod
-    def evict(self, num_tokens: int) -> list[np.ndarray]:
-        """Evict unlocked LRU leaves until ``num_tokens`` are freed (or nothing is evictable)."""
+    def evict(self, num_tokens: int, num_layer_tokens: int = 0) -> list[np.ndarray]:
+        """Evict unlocked LRU leaves until ``num_tokens`` tokens and ``num_layer_tokens``
+        layer-tokens (``len * depth`` per node) are freed, or nothing is evictable."""
 
     @abstractmethod
     def set_depth(self, handle: NodeHandle, depth: int) -> None:
@@ -142,7 +143,7 @@ class NullRadixTree(PrefixIndex):
         """No-op (the only handle is the root)."""
         self._check(handle)
 
-    def evict(self, num_tokens: int) -> list[np.ndarray]:
+    def evict(self, num_tokens: int, num_layer_tokens: int = 0) -> list[np.ndarray]:
         """Nothing to evict."""
         return []
 

@@ -651,3 +651,33 @@ def test_halve_cold_is_trim_candidates_with_set_depth() -> None:
             assert trees[0].total_layer_tokens() == trees[1].total_layer_tokens()
             for t in trees:
                 t.check_integrity()
+
+
+def test_evict_by_layer_tokens_is_leaf_by_leaf_eviction() -> None:
+    """``evict(tokens, layer_tokens)`` frees the leaves a leaf-by-leaf loop counting ``len *
+    depth`` frees until both targets are met, in the same LRU order, and no more."""
+    import numpy as np
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        trees = [RadixTree(), RadixTree()]
+        next_slot = 0
+        for _ in range(int(rng.integers(5, 30))):
+            ids = rng.integers(0, 4, int(rng.integers(1, 10)))
+            depth = int(rng.integers(0, 9))
+            vals = np.arange(next_slot, next_slot + len(ids))
+            next_slot += len(ids)
+            for t in trees:
+                t.insert(ids, vals, depth)
+        want_tokens, want_layers = int(rng.integers(0, 40)), int(rng.integers(0, 200))
+        ref, got_t, got_l = [], 0, 0
+        depth_of = {int(n.value[0]): n.depth for n in trees[0].iter_nodes()}
+        while (got_t < want_tokens or got_l < want_layers) and trees[0].evictable_size() > 0:
+            for arr in trees[0].evict(1):
+                ref.append(arr)
+                got_t += len(arr)
+                got_l += len(arr) * depth_of[int(arr[0])]
+        got = trees[1].evict(want_tokens, want_layers)
+        assert [a.tolist() for a in got] == [a.tolist() for a in ref], seed
+        assert trees[0].total_size() == trees[1].total_size()
+        trees[1].check_integrity()
+    assert RadixTree().evict(0, 0) == [] and NullRadixTree().evict(3, 5) == []

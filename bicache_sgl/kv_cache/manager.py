@@ -301,13 +301,10 @@ class CacheManager:
             return False
         if pool.rows.num_free < rows:
             self._trim(rows - pool.rows.num_free)
-        # evict leaf by leaf, counting what each frees, and give it all back to the pool at once
-        free_rows, free_tokens, gone = pool.rows.num_free, pool.tokens.num_free, []
-        while (free_rows < rows or free_tokens < tokens) and self.index.evictable_size() > 0:
-            for arr in self.index.evict(1):
-                gone.append(arr)
-                free_tokens += len(arr)
-                free_rows += int(np.count_nonzero(pool.layer_table[:, arr] >= 0))
+        # LRU leaves until both fit, in one call: an unlocked node's tokens hold rows exactly for
+        # layers < its depth (check_integrity), so the layer-tokens the index counts are the rows
+        # each eviction frees; all of it goes back to the pool at once
+        gone = self.index.evict(max(0, tokens - pool.tokens.num_free), max(0, rows - pool.rows.num_free))
         if gone:
             slots = np.concatenate(gone)
             pool.free_tokens(slots)
