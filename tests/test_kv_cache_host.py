@@ -420,6 +420,11 @@ def test_int32_tables_and_allocator_hand_out_int64_ids() -> None:
     assert pool.layer_table.dtype == pool.layer_ctx.dtype == np.int32
     rows = pool.rows.alloc(8)
     assert rows.dtype == np.int64 and pool.request_rows.alloc(4).dtype == np.int64
+    assert pool.rows.free_set().dtype == pool.request_rows.free_set().dtype == np.int32
+    kv = pool.alloc_seq(3)
+    assert kv.rows.dtype == np.int64 and kv.rows.min() >= 64  # request rows follow the prefix rows
+    pool.free_seq(kv)
+    assert pool.request_rows.num_free == 4 * 10 - 4
     slots = pool.tokens.alloc(2)
     ctx = pool.contexts.new(np.arange(3), 10)
     pool.bind_block(slots, 0, rows.reshape(4, 2), ctx, fresh=True)

@@ -169,7 +169,10 @@ class KVPool:
         self.index_dtype = np.int32 if row_capacity < np.iinfo(np.int32).max - 1 else np.int64
         self.tokens = SlotAllocator(token_capacity)
         self.rows = SlotAllocator(row_capacity, dtype=self.index_dtype)
-        self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity)
+        # the request rows' free list too (a SeqKV still reads int64 ids: alloc widens them)
+        all_rows = row_capacity + request_row_capacity
+        self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity,
+                                          dtype=np.int32 if all_rows < np.iinfo(np.int32).max else np.int64)
         # layer-major [L, token slots] (module docstring): row, and capture context, per (layer, slot)
         self.layer_table = np.full((cfg.n_layers, token_capacity), -1, dtype=self.index_dtype)
         self.layer_ctx = np.full((cfg.n_layers, token_capacity), -1, dtype=self.index_dtype)
