@@ -33,7 +33,9 @@ keep sharing one label and a match is cut into runs of equal rows by comparing o
 token instead of L contexts per token. Labels may split a class of equal rows (harmless: one
 more run); they never join unequal rows (``check_exact_classes``).
 
-Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
+Allocators are free lists of indices (numpy; no tensors in the bookkeeping). Row ids and context
+ids are stored as int32 where the row count allows (half the bytes for every table write, share
+copy and free); ids handed out are int64 (``SeqKV.rows``, the capture's device rows).
 """
 
 from __future__ import annotations
