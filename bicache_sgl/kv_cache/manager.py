@@ -104,7 +104,8 @@ class CacheManager:
         """Match once, lock, let the planner decide (bicache/planner.py) from the request's facts
         and every matched row's capture context, and reserve the capture (none if the pool cannot
         make room). The request reads nothing yet: :meth:`share` points its K/V at the rows."""
-        key = reusable_prefix(prompt)
+        ids = np.asarray(prompt, dtype=np.int64)  # one conversion of a list prompt, not one per use
+        key = reusable_prefix(ids)
         m = self.index.match_prefix(key)
         self.num_lookups += 1
         self.looked_up_tokens += len(key)
@@ -112,7 +113,7 @@ class CacheManager:
         self.num_hits += m.length > 0
         self.index.lock(m.handle)
         slots = np.asarray(m.values, np.int64)
-        plan = plan_reuse(self.policy, facts, self._match_facts(prompt, m, slots))
+        plan = plan_reuse(self.policy, facts, self._match_facts(ids, m, slots))
         grant = CacheGrant(plan, m.handle, slots)
         self._reserve(grant, plan, m.length, facts.prompt_len)
         return grant
@@ -128,7 +129,7 @@ class CacheManager:
             if d < self.pool.n_layers:
                 grant.resume_rows = self.pool.layer_table[d - 1, slots[a:p]].astype(np.int64)  # a copy
 
-    def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
+    def _match_facts(self, prompt: np.ndarray, m, slots: np.ndarray) -> MatchFacts:
         """The match in runs of equally captured tokens (one ``KVPool.cls`` label per token, then
         one ctx row per run): which rows exist, their capture contexts, and how much each context
         shares with ``prompt``."""
@@ -140,9 +141,8 @@ class CacheManager:
         runs = np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
         ctx = pool.layer_ctx[:, slots[runs]].T  # [runs, L]: equal class => equal row (KVPool docstring)
         held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
-        me = np.asarray(prompt, dtype=np.int64)
         contexts = pool.contexts
-        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in contexts_in(ctx)}
+        shared = {c: (common_prefix_len(contexts.tokens(c), prompt), contexts.seq_len(c)) for c in contexts_in(ctx)}
         return MatchFacts(m.length, tuple(m.segments), held, ctx, shared, runs)
 
     def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
@@ -233,13 +233,14 @@ class CacheManager:
         (new tokens), and record every node's depth along the path from what the table now holds."""
         if grant.capture is None:
             return
+        ids = np.asarray(prompt, dtype=np.int64)  # the context's record and the insert share it
         grant.capture = None
         pending, grant.pending = grant.pending, []
         new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
         all_slots, grant.slots = grant.slots, _NO_SLOTS
         self.in_flight_tokens -= len(new_slots)
         if pending:
-            ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
+            ctx = self.pool.contexts.new(ids, capture_len)
             lost = []
             for slots, lo, block, fresh in pending:  # one rectangle of the table per stored range
                 self.in_flight_rows -= block.size
@@ -253,7 +254,7 @@ class CacheManager:
         if len(new_slots):
             try:
                 # depth 0: existing nodes are never changed by an insert; depths are set below
-                res = self.index.insert(prompt, all_slots, 0)
+                res = self.index.insert(ids, all_slots, 0)
             except Exception:
                 log.exception("prefix cache insert failed; continuing without caching this prompt")
                 self.pool.free_tokens(new_slots)
