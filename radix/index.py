@@ -44,8 +44,9 @@ class PrefixIndex(ABC):
         """Undo one :meth:`lock`."""
 
     @abstractmethod
-    def evict(self, num_tokens: int) -> list[np.ndarray]:
-        """Evict unlocked LRU leaves until ``num_tokens`` are freed (or nothing is evictable)."""
+    def evict(self, num_tokens: int, num_layer_tokens: int = 0) -> list[np.ndarray]:
+        """Evict unlocked LRU leaves until ``num_tokens`` tokens and ``num_layer_tokens``
+        layer-tokens (``len * depth`` per node) are freed, or nothing is evictable."""
 
     @abstractmethod
     def set_depth(self, handle: NodeHandle, depth: int) -> None:
@@ -62,6 +63,12 @@ class PrefixIndex(ABC):
         the caller leaves deeper than ``min_depth`` comes again in the next pass; the iteration
         ends after a pass that yields nothing. Close it (``contextlib.closing``) when stopping
         early; between two items the caller may only lower the yielded node's depth."""
+
+    @abstractmethod
+    def halve_cold(self, min_depth: int, need: int) -> tuple[list[NodeHandle], list[int], int]:
+        """Halve unlocked nodes deeper than ``min_depth`` (to ``max(min_depth, depth // 2)``) in
+        :meth:`trim_candidates` order until ``need`` layer-tokens are dropped: (nodes halved, in
+        order, the depth each halving left, layer-tokens dropped). The caller frees the rows."""
 
     @abstractmethod
     def depth_histogram(self) -> dict[int, int]:
@@ -136,7 +143,7 @@ class NullRadixTree(PrefixIndex):
         """No-op (the only handle is the root)."""
         self._check(handle)
 
-    def evict(self, num_tokens: int) -> list[np.ndarray]:
+    def evict(self, num_tokens: int, num_layer_tokens: int = 0) -> list[np.ndarray]:
         """Nothing to evict."""
         return []
 
@@ -151,6 +158,10 @@ class NullRadixTree(PrefixIndex):
 
     def trim_candidates(self, min_depth: int) -> Iterator[NodeHandle]:
         return iter(())
+
+    def halve_cold(self, min_depth: int, need: int) -> tuple[list[NodeHandle], list[int], int]:
+        check_depth(min_depth)
+        return [], [], 0
 
     def depth_histogram(self) -> dict[int, int]:
         return {}

@@ -25,6 +25,10 @@ class LruHeaps:
     _heap: list[tuple[int, int, int, TreeNode]]
     _cold: list[tuple[int, int, int, TreeNode]]
     _cold_floor: int  # the trim heap is complete for unlocked nodes deeper than this
+    _layer_tokens: int
+
+    def _hist_add(self, depth: int, tokens: int) -> None:
+        raise NotImplementedError
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         raise NotImplementedError
@@ -59,6 +63,56 @@ class LruHeaps:
         finally:
             for node in deferred:
                 self._cold_push(node)
+
+    def halve_cold(self, min_depth: int, need: int) -> tuple[list[TreeNode], list[int], int]:
+        """Halve the depth of unlocked nodes deeper than ``min_depth`` (each to
+        ``max(min_depth, depth // 2)``), least recently used first, in the passes of
+        :meth:`trim_candidates`, until ``need`` layer-tokens are dropped or nothing is deeper than
+        the floor. Returns (the nodes in the order they were halved, a node halved twice appearing
+        twice; the depth each halving left; layer-tokens dropped).
+
+        The same choices as ``trim_candidates`` + ``set_depth`` per node, in one loop: no
+        generator step, handle validation or histogram entry per node (the counters are updated
+        once at the end), which is what a full pool pays per trimmed node."""
+        min_depth = check_depth(min_depth)
+        if min_depth < self._cold_floor:
+            self._rebuild_cold()
+        self._cold_floor = max(self._cold_floor, min_depth)
+        nodes: list[TreeNode] = []
+        kept: list[int] = []
+        dropped = 0
+        hist_delta: dict[int, int] = {}
+        deferred: list[TreeNode] = []
+        heap = self._cold
+        while dropped < need:
+            while heap and dropped < need:
+                t, _, _, node = heapq.heappop(heap)
+                if not node.alive or node.cold_t != t:
+                    continue  # stale
+                node.cold_t = -1
+                if node.lock_ref > 0 or node.depth <= min_depth:
+                    continue  # unlock / set_depth push it again
+                deferred.append(node)
+                old, size = node.depth, len(node.key)
+                new = max(min_depth, old // 2)
+                node.depth = new
+                dropped += size * (old - new)
+                hist_delta[old] = hist_delta.get(old, 0) - size
+                hist_delta[new] = hist_delta.get(new, 0) + size
+                nodes.append(node)
+                kept.append(new)
+            if dropped >= need or not deferred:
+                break
+            again, deferred = deferred, []  # the next pass: each node once more, coldest first
+            for node in again:
+                self._cold_push(node)
+            heap = self._cold  # (a push may rebuild the heap)
+        for node in deferred:
+            self._cold_push(node)
+        self._layer_tokens -= dropped
+        for depth, delta in hist_delta.items():
+            self._hist_add(depth, delta)
+        return nodes, kept, dropped
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return (node.alive and node is not self._root and not node.children

@@ -106,6 +106,8 @@ class InsertResult:
 
 def as_ids(ids: Sequence[int]) -> np.ndarray:
     """``ids`` as a 1-D int64 array (no copy when it already is one)."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.size:
+        return ids  # the engine's prompts: no checks to repeat
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {arr.shape}")
@@ -140,8 +142,11 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common leading run of two token sequences (vectorised)."""
     x, y = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
     n = min(len(x), len(y))
-    diff = np.flatnonzero(x[:n] != y[:n])
-    return int(diff[0]) if diff.size else n
+    if n == 0:
+        return 0
+    neq = x[:n] != y[:n]
+    i = int(neq.argmax())  # the first mismatch, or 0 when there is none
+    return i if neq[i] else n
 
 
 def common_len_at(key: np.ndarray, ids: np.ndarray, start: int) -> int:
@@ -149,6 +154,8 @@ def common_len_at(key: np.ndarray, ids: np.ndarray, start: int) -> int:
     n = min(len(key), len(ids) - start)
     if n <= 0:
         return 0
-    # one comparison of the whole edge: a node's key is compared at C speed, not per token
-    diff = np.flatnonzero(key[:n] != ids[start:start + n])
-    return int(diff[0]) if diff.size else n
+    # one comparison of the whole edge: a node's key is compared at C speed, not per token; a
+    # bool argmax is the first mismatch (or 0 when there is none, told apart by reading it)
+    neq = key[:n] != ids[start:start + n]
+    i = int(neq.argmax())
+    return i if neq[i] else n

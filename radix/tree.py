@@ -195,16 +195,17 @@ class RadixTree(LruHeaps, TreeChecks, PrefixIndex):
 
     # ------------------------------------------------------------------ eviction and depth
 
-    def evict(self, num_tokens: int) -> list[np.ndarray]:
-        """Free at least ``num_tokens`` tokens, least recently used unlocked leaves first.
+    def evict(self, num_tokens: int, num_layer_tokens: int = 0) -> list[np.ndarray]:
+        """Free at least ``num_tokens`` tokens and ``num_layer_tokens`` layer-tokens (a node
+        holds ``len * depth``), least recently used unlocked leaves first.
 
         A parent whose last child goes becomes a leaf and competes in the same pass. Stops as
-        soon as the target is reached or nothing evictable remains. Returns the freed slot
+        soon as both targets are reached or nothing evictable remains. Returns the freed slot
         arrays (the caller returns them to the pool); their handles die.
         """
         freed: list[np.ndarray] = []
-        got = 0
-        while got < num_tokens and self._heap:
+        got = got_layers = 0
+        while (got < num_tokens or got_layers < num_layer_tokens) and self._heap:
             t, _, _, node = heapq.heappop(self._heap)
             if not self._is_evictable_leaf(node) or node.last_access != t:
                 continue  # stale entry
@@ -213,6 +214,7 @@ class RadixTree(LruHeaps, TreeChecks, PrefixIndex):
             size = len(node.key)
             freed.append(node.value)
             got += size
+            got_layers += size * node.depth
             del parent.children[int(node.key[0])]
             self._evictable -= size
             self._layer_tokens -= size * node.depth

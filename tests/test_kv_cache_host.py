@@ -364,3 +364,86 @@ def test_free_parts_leaves_the_free_list_free_leaves() -> None:
     b.free(np.concatenate([p.ravel() for p in parts]))
     assert np.array_equal(a.free_set(), b.free_set()) and a.num_free == b.num_free
     assert np.array_equal(a.alloc(a.num_free), b.alloc(b.num_free))
+
+
+def test_planner_small_and_array_paths_agree() -> None:
+    """The planner judges a few runs in plain Python and many with numpy: both give the per-row
+    rule's usable depths and the brute-force best span, on both sides of each threshold."""
+    from bicache_sgl.bicache import planner
+    L = 8
+    policy = ProfilePolicy(L, BicacheProfile(((0.0, 1), (20.0, 3), (50.0, 6), (80.0, 8)), L))
+    rng = np.random.default_rng(5)
+    for m in (30, 2 * planner._SMALL_RUN_CELLS // L):  # small path, then the array path
+        for _ in range(10):
+            ctx = rng.integers(-1, 4, (m, L))
+            ctx[rng.random(m) < 0.5] = ctx[0]  # runs of equal rows among single rows
+            shared = {c: (int(rng.integers(0, 100)), int(rng.integers(50, 200))) for c in range(4)}
+            match = MatchFacts(m, ((m, L),), ctx >= 0, ctx, shared)
+            assert (match.run_rows()[1].size <= planner._SMALL_RUN_CELLS) == (m == 30)
+            got, _ = usable_depths(policy, match, 120)
+            assert got.tolist() == reference_usable(policy, match, 120).tolist()
+    for n_runs in (5, planner._SMALL_RUNS + 1, 150):
+        for _ in range(20):
+            lengths = rng.integers(1, 6, n_runs)
+            per_run = rng.integers(0, 9, n_runs)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            got = planner.best_span_runs(bounds, per_run)
+            assert got == planner._best_span_small(bounds.tolist(), per_run.tolist())
+            usable = np.repeat(per_run, lengths)
+            s, e, d = got
+            best = max((e2 - s2) * int(usable[s2:e2].min()) for s2 in range(len(usable))
+                       for e2 in range(s2 + 1, min(len(usable), s2 + 60) + 1))
+            assert (e - s) * d >= best and (d == 0 or d <= usable[s:e].min())
+
+
+def test_held_depth_by_class_is_the_per_row_held_depth() -> None:
+    """One ctx column per class run (one column for a single class) gives the depth a read of
+    every row of every slot gives, after any history of binds and drops."""
+    import torch
+    L = 6
+    for seed in range(20):
+        rng = np.random.default_rng(100 + seed)
+        pool = KVPool(_Shape6(), 32, 2000, 4, torch.float32, torch.device("cpu"))
+        slots = _random_pool_history(rng, pool, L)
+        for _ in range(20):
+            sl = rng.permutation(slots)[: int(rng.integers(1, len(slots) + 1))]
+            assert pool.held_depth_by_class(sl) == pool.held_depth(sl)
+            one = sl[pool.cls[sl] == pool.cls[sl[0]]]  # a single class
+            assert pool.held_depth_by_class(one) == pool.held_depth(one)
+
+
+def test_int32_tables_and_allocator_hand_out_int64_ids() -> None:
+    """The pool stores row and context ids as int32 where they fit; what it hands out (row ids,
+    the rows a SeqKV reads) is int64, and an allocator refuses a range its dtype cannot hold."""
+    import torch
+    pool = KVPool(_Shape(), 16, 64, 4 * 10, torch.float32, torch.device("cpu"))
+    assert pool.layer_table.dtype == pool.layer_ctx.dtype == np.int32
+    rows = pool.rows.alloc(8)
+    assert rows.dtype == np.int64 and pool.request_rows.alloc(4).dtype == np.int64
+    assert pool.rows.free_set().dtype == pool.request_rows.free_set().dtype == np.int32
+    kv = pool.alloc_seq(3)
+    assert kv.rows.dtype == np.int64 and kv.rows.min() >= 64  # request rows follow the prefix rows
+    pool.free_seq(kv)
+    assert pool.request_rows.num_free == 4 * 10 - 4
+    slots = pool.tokens.alloc(2)
+    ctx = pool.contexts.new(np.arange(3), 10)
+    pool.bind_block(slots, 0, rows.reshape(4, 2), ctx, fresh=True)
+    assert pool.rows_of(slots, 4).dtype == np.int64
+    assert np.array_equal(pool.rows_of(slots, 4), rows.reshape(4, 2))
+    with pytest.raises(ValueError, match="int32"):
+        SlotAllocator(10, offset=np.iinfo(np.int32).max - 5, dtype=np.int32)
+
+
+def test_capture_context_ids_are_reused_only_once_forgotten() -> None:
+    """A forgotten context's id is given again (ids stay below the live count, so they fit the
+    int32 ctx table); a context still referred to by a row keeps its id and its record."""
+    from bicache_sgl.kv_cache.pool import CaptureContexts
+    c = CaptureContexts()
+    a, b = c.new(np.arange(3), 10), c.new(np.arange(4), 11)
+    c.ref(a, 2)
+    c.forget(b)  # never bound: dropped, its id spare
+    c.forget(b)  # a second forget is a no-op (the id is not spared twice)
+    b2, d = c.new(np.arange(5), 12), c.new(np.arange(6), 13)
+    assert b2 == b and d not in (a, b) and c.seq_len(b2) == 12 and c.tokens(a).tolist() == [0, 1, 2]
+    c.unref(np.array([a, a]))
+    assert c.new(np.arange(1), 1) == a and len(c) == 3

@@ -594,3 +594,90 @@ def test_peek_prefix_len_changes_nothing():
     assert (t.num_nodes(), t.pretty(), t._clock) == before
     assert t.match_prefix([1, 2, 7]).length == 2 and t.num_nodes() == before[0] + 1  # a real match splits
     assert NullRadixTree().peek_prefix_len([1, 2]) == 0
+
+
+def _halve_by_candidates(tree: RadixTree, min_depth: int, need: int) -> tuple[list, list, int]:
+    """The reference: trim_candidates + set_depth per node, as the cache manager did."""
+    from contextlib import closing
+    nodes, kept, dropped = [], [], 0
+    if need <= 0:
+        return nodes, kept, dropped
+    with closing(tree.trim_candidates(min_depth)) as it:
+        for node in it:
+            new = max(min_depth, node.depth // 2)
+            dropped += len(node.value) * (node.depth - new)
+            tree.set_depth(node, new)
+            nodes.append(node)
+            kept.append(new)
+            if dropped >= need:
+                break
+    return nodes, kept, dropped
+
+
+def test_halve_cold_is_trim_candidates_with_set_depth() -> None:
+    """The one-loop trim makes the same choices in the same order as the generator + set_depth
+    per node, leaves the same depths, counters and heaps (a second trim agrees too)."""
+    import numpy as np
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        trees = [RadixTree(), RadixTree()]
+        handles: list[list] = [[], []]
+        next_slot = 0
+        for _ in range(int(rng.integers(5, 40))):
+            ids = rng.integers(0, 4, int(rng.integers(1, 12)))
+            depth = int(rng.integers(0, 9))
+            vals = np.arange(next_slot, next_slot + len(ids))
+            next_slot += len(ids)
+            lock = rng.random() < 0.2
+            for t, h in zip(trees, handles):
+                res = t.insert(ids, vals, depth)
+                if lock:
+                    t.lock(res.handle)
+                    h.append(res.handle)
+            if rng.random() < 0.3:  # a split and fresh LRU times
+                probe = rng.integers(0, 4, 5)
+                for t in trees:
+                    t.match_prefix(probe)
+        for t, h in zip(trees, handles):  # unlock some: those nodes are pushed back
+            for handle in h[: len(h) // 2]:
+                t.unlock(handle)
+        for need in (int(rng.integers(1, 60)), int(rng.integers(1, 400))):
+            floor = int(rng.integers(1, 3))
+            ref = _halve_by_candidates(trees[0], floor, need)
+            got = trees[1].halve_cold(floor, need)
+            assert [n.serial for n in got[0]] == [n.serial for n in ref[0]], seed
+            assert got[1] == ref[1] and got[2] == ref[2], seed
+            assert trees[0].depth_histogram() == trees[1].depth_histogram()
+            assert trees[0].total_layer_tokens() == trees[1].total_layer_tokens()
+            for t in trees:
+                t.check_integrity()
+
+
+def test_evict_by_layer_tokens_is_leaf_by_leaf_eviction() -> None:
+    """``evict(tokens, layer_tokens)`` frees the leaves a leaf-by-leaf loop counting ``len *
+    depth`` frees until both targets are met, in the same LRU order, and no more."""
+    import numpy as np
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        trees = [RadixTree(), RadixTree()]
+        next_slot = 0
+        for _ in range(int(rng.integers(5, 30))):
+            ids = rng.integers(0, 4, int(rng.integers(1, 10)))
+            depth = int(rng.integers(0, 9))
+            vals = np.arange(next_slot, next_slot + len(ids))
+            next_slot += len(ids)
+            for t in trees:
+                t.insert(ids, vals, depth)
+        want_tokens, want_layers = int(rng.integers(0, 40)), int(rng.integers(0, 200))
+        ref, got_t, got_l = [], 0, 0
+        depth_of = {int(n.value[0]): n.depth for n in trees[0].iter_nodes()}
+        while (got_t < want_tokens or got_l < want_layers) and trees[0].evictable_size() > 0:
+            for arr in trees[0].evict(1):
+                ref.append(arr)
+                got_t += len(arr)
+                got_l += len(arr) * depth_of[int(arr[0])]
+        got = trees[1].evict(want_tokens, want_layers)
+        assert [a.tolist() for a in got] == [a.tolist() for a in ref], seed
+        assert trees[0].total_size() == trees[1].total_size()
+        trees[1].check_integrity()
+    assert RadixTree().evict(0, 0) == [] and NullRadixTree().evict(3, 5) == []

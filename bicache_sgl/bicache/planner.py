@@ -23,6 +23,7 @@ little. Everything here is numpy bookkeeping, tested without a model.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
@@ -138,13 +139,36 @@ def usable_runs(policy: DepthPolicy, match: MatchFacts,
                 seq_len: int) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
     """:func:`usable_depths` per run: (bounds [runs + 1], usable depth per run [runs], the shared
     fraction of each capture context); run i is tokens [bounds[i], bounds[i + 1])."""
+    bounds, per_run, r_of = _usable_runs(policy, match, seq_len)
+    return np.asarray(bounds, dtype=np.int64), np.asarray(per_run, dtype=np.int64), r_of
+
+
+# Up to this many run rows x layers a match is judged in plain Python: an admission's few runs
+# cost less as a list walk than as the dozen numpy calls of the array path (which is the same rule)
+_SMALL_RUN_CELLS = 2048
+
+
+def _usable_runs(policy: DepthPolicy, match: MatchFacts,
+                 seq_len: int) -> tuple[list[int] | np.ndarray, list[int] | np.ndarray, dict[int, float]]:
+    """:func:`usable_runs` as lists for a few runs, arrays otherwise (the planner's own path)."""
     m, L = match.length, match.ctx.shape[1]
     if m == 0:
-        return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), {}
+        return [0], [], {}
     r_of = {c: shared_fraction(lcp, n_c, seq_len) for c, (lcp, n_c) in match.shared.items()}
     # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
     starts, ctx_r, held_r = match.run_rows()
+    if ctx_r.size <= _SMALL_RUN_CELLS:
+        lim_of = {c: policy.target_depth(r) for c, r in r_of.items()}  # no entry: no row (-1)
+        per_run = []
+        for crow, hrow in zip(ctx_r.tolist(), held_r.tolist()):
+            d = 0  # leading layers whose row exists and whose context allows layer d
+            for c, h in zip(crow, hrow):
+                if not h or lim_of.get(c, 0) <= d:
+                    break
+                d += 1
+            per_run.append(d)
+        return [*starts.tolist(), m], per_run, r_of
     # the depth each row's context allows (0 where there is no row)
     lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
@@ -177,11 +201,15 @@ def contexts_in(ctx: np.ndarray) -> list[int]:
     return [int(c) for c in np.unique(cand) if c >= 0]
 
 
-def best_span_runs(bounds: np.ndarray, usable: np.ndarray) -> tuple[int, int, int]:
+def best_span_runs(bounds: np.ndarray | list[int], usable: np.ndarray | list[int]) -> tuple[int, int, int]:
     """(start, end, depth) maximising (end - start) x depth with depth <= the usable depth of every
     token in [start, end); ties go to the longer span; (0, 0, 0) when nothing is usable. Over runs
     of tokens with one usable depth each (run i: tokens [bounds[i], bounds[i + 1]), depth
     usable[i]), in O(runs) per candidate depth."""
+    if len(usable) <= _SMALL_RUNS:
+        return _best_span_small(list(map(int, bounds)), list(map(int, usable)))
+    usable = np.asarray(usable)
+    bounds = np.asarray(bounds)
     best = (0, 0, 0)
     best_gain = 0
     for d in np.unique(usable[usable > 0]).tolist():
@@ -193,6 +221,34 @@ def best_span_runs(bounds: np.ndarray, usable: np.ndarray) -> tuple[int, int, in
         gain = (e - s) * d
         if gain > best_gain or (gain == best_gain and e - s > best[1] - best[0]):
             best, best_gain = (s, e, int(d)), gain
+    return best
+
+
+_SMALL_RUNS = 64  # up to this many runs the span is chosen in plain Python (fewer calls, same rule)
+
+
+def _best_span_small(bounds: list[int], usable: list[int]) -> tuple[int, int, int]:
+    """:func:`best_span_runs` over lists: the same candidates in the same order (per depth, the
+    first longest maximal segment), so the same answer, ties included."""
+    best = (0, 0, 0)
+    best_gain = 0
+    n = len(usable)
+    for d in sorted({u for u in usable if u > 0}):
+        s = e = 0
+        open_at = -1  # first run of the segment being scanned, -1: none
+        for i, u in enumerate(usable):
+            if u >= d:
+                if open_at < 0:
+                    open_at = i
+            elif open_at >= 0:
+                if bounds[i] - bounds[open_at] > e - s:
+                    s, e = bounds[open_at], bounds[i]
+                open_at = -1
+        if open_at >= 0 and bounds[n] - bounds[open_at] > e - s:
+            s, e = bounds[open_at], bounds[n]
+        gain = (e - s) * d
+        if gain > best_gain or (gain == best_gain and e - s > best[1] - best[0]):
+            best, best_gain = (s, e, d), gain
     return best
 
 
@@ -231,15 +287,16 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     start = end = depth = 0
     r_bind = 0.0
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
-        bounds, usable, r_of = usable_runs(policy, match, facts.seq_len)
+        bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len)
         start, end, depth = best_span_runs(bounds, usable)
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
-            # rows are equal within a run, so the runs' first rows hold every context of the span
-            runs, ctx_r, _ = match.run_rows()
-            first = int(np.searchsorted(runs, start, side="right")) - 1
-            last = int(np.searchsorted(runs, end, side="left"))
+            # rows are equal within a run, so the runs' first rows hold every context of the span;
+            # bounds[:-1] are the runs' first tokens
+            _, ctx_r, _ = match.run_rows()
+            first = bisect_right(bounds, start, 0, len(bounds) - 1) - 1
+            last = bisect_left(bounds, end, 0, len(bounds) - 1)
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
     audit = False
     if depth > 0 and policy is engine_policy and engine_policy.audit is not None:

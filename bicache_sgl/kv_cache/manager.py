@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -75,6 +74,7 @@ class CacheGrant:
     resume_rows: np.ndarray | None = None  # [prefix] rows whose h is S entering layer `depth`
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
+    slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # matched + new slots: what commit inserts
     # (slots, first layer, rows [layers, len(slots)], slots are new) per stored range: one table
     # rectangle each
     pending: list[tuple[np.ndarray, int, np.ndarray, bool]] = field(default_factory=list)
@@ -104,7 +104,8 @@ class CacheManager:
         """Match once, lock, let the planner decide (bicache/planner.py) from the request's facts
         and every matched row's capture context, and reserve the capture (none if the pool cannot
         make room). The request reads nothing yet: :meth:`share` points its K/V at the rows."""
-        key = reusable_prefix(prompt)
+        ids = np.asarray(prompt, dtype=np.int64)  # one conversion of a list prompt, not one per use
+        key = reusable_prefix(ids)
         m = self.index.match_prefix(key)
         self.num_lookups += 1
         self.looked_up_tokens += len(key)
@@ -112,7 +113,7 @@ class CacheManager:
         self.num_hits += m.length > 0
         self.index.lock(m.handle)
         slots = np.asarray(m.values, np.int64)
-        plan = plan_reuse(self.policy, facts, self._match_facts(prompt, m, slots))
+        plan = plan_reuse(self.policy, facts, self._match_facts(ids, m, slots))
         grant = CacheGrant(plan, m.handle, slots)
         self._reserve(grant, plan, m.length, facts.prompt_len)
         return grant
@@ -126,9 +127,9 @@ class CacheManager:
         if d > 0 and p > a and kv is not None:
             self.pool.share_prefix(kv, slots[a:p], d, start=a)
             if d < self.pool.n_layers:
-                grant.resume_rows = self.pool.layer_table[d - 1, slots[a:p]]  # a fancy index: a copy
+                grant.resume_rows = self.pool.layer_table[d - 1, slots[a:p]].astype(np.int64)  # a copy
 
-    def _match_facts(self, prompt: Sequence[int], m, slots: np.ndarray) -> MatchFacts:
+    def _match_facts(self, prompt: np.ndarray, m, slots: np.ndarray) -> MatchFacts:
         """The match in runs of equally captured tokens (one ``KVPool.cls`` label per token, then
         one ctx row per run): which rows exist, their capture contexts, and how much each context
         shares with ``prompt``."""
@@ -140,9 +141,8 @@ class CacheManager:
         runs = np.concatenate([[0], np.flatnonzero(cls[1:] != cls[:-1]) + 1]).astype(np.int64)
         ctx = pool.layer_ctx[:, slots[runs]].T  # [runs, L]: equal class => equal row (KVPool docstring)
         held = ctx >= 0  # a row is bound exactly where it has a capture context (check_integrity)
-        me = np.asarray(prompt, dtype=np.int64)
         contexts = pool.contexts
-        shared = {c: (common_prefix_len(contexts.tokens(c), me), contexts.seq_len(c)) for c in contexts_in(ctx)}
+        shared = {c: (common_prefix_len(contexts.tokens(c), prompt), contexts.seq_len(c)) for c in contexts_in(ctx)}
         return MatchFacts(m.length, tuple(m.segments), held, ctx, shared, runs)
 
     def _reserve(self, grant: CacheGrant, plan: ReusePlan, matched: int, prompt_len: int) -> None:
@@ -173,9 +173,23 @@ class CacheManager:
             # free_tokens dropped); one over matched tokens may race a concurrent upgrade
             grant.pending.append((slots[s:e], lo, block, s >= matched))
             off += n
-        # The forward reads per layer (positions, rows). A layer inside one range reads a slice
-        # of the one device copy; a layer inside several reads their rows concatenated, appended
-        # to the same host buffer so there is still one host -> device copy.
+        grant.new_slots = new_slots
+        grant.slots = slots
+        grant.touched = [(s, e) for s, e, _, _ in ranges]
+        grant.capture = Capture(self._capture_layers(ranges, blocks, all_rows))
+
+    def _capture_layers(self, ranges: tuple[tuple[int, int, int, int], ...], blocks: list[np.ndarray],
+                        all_rows: np.ndarray) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+        """The forward's per-layer (positions, device rows) for the stored ranges: one host ->
+        device copy of the rows, split into views.
+
+        A layer inside one range reads a slice of the one device copy; a layer inside several reads
+        their rows concatenated, appended to the same host buffer so there is still one copy."""
+        if len(ranges) == 1:  # the common case: one [hi - lo, e - s] block, one view per layer
+            s, e, lo, hi = ranges[0]
+            pos = np.arange(s, e, dtype=np.int64)  # shared by every layer (the forward keys on it)
+            views = self.pool.to_device(all_rows).view(hi - lo, e - s).unbind(0)
+            return dict(zip(range(lo, hi), ((pos, v) for v in views)))
         # the active ranges change only at a range's first or end layer: one set per interval
         cuts = sorted({0, self.pool.n_layers, *(x for _, _, lo, hi in ranges for x in (lo, hi))})
         per_layer: list[tuple[int, tuple[int, ...]]] = []
@@ -211,9 +225,7 @@ class CacheManager:
                 pos = by_set[active] = np.concatenate([np.arange(ranges[j][0], ranges[j][1], dtype=np.int64)
                                                        for j in active])
             layers[layer] = (pos, chunks[c])
-        grant.new_slots = new_slots
-        grant.touched = [(s, e) for s, e, _, _ in ranges]
-        grant.capture = Capture(layers)
+        return layers
 
     def commit(self, prompt: Sequence[int], grant: CacheGrant, capture_len: int) -> None:
         """The first forward has written the capture: bind its rows (recording the context they
@@ -221,23 +233,28 @@ class CacheManager:
         (new tokens), and record every node's depth along the path from what the table now holds."""
         if grant.capture is None:
             return
+        ids = np.asarray(prompt, dtype=np.int64)  # the context's record and the insert share it
         grant.capture = None
         pending, grant.pending = grant.pending, []
         new_slots, grant.new_slots = grant.new_slots, _NO_SLOTS
+        all_slots, grant.slots = grant.slots, _NO_SLOTS
         self.in_flight_tokens -= len(new_slots)
         if pending:
-            ctx = self.pool.contexts.new(np.asarray(prompt, dtype=np.int64), capture_len)
+            ctx = self.pool.contexts.new(ids, capture_len)
             lost = []
             for slots, lo, block, fresh in pending:  # one rectangle of the table per stored range
                 self.in_flight_rows -= block.size
-                lost.append(self.pool.bind_block(slots, lo, block, ctx, fresh=fresh))
-            self.pool.rows.free(np.concatenate(lost))  # rows a concurrent upgrade beat
+                beaten = self.pool.bind_block(slots, lo, block, ctx, fresh=fresh)
+                if beaten.size:
+                    lost.append(beaten)
+            if lost:  # rows a concurrent upgrade beat
+                self.pool.rows.free_parts(lost)
             self.pool.contexts.forget(ctx)  # nothing bound (every row lost): drop the registration
         handle, new_leaf = grant.handle, None
         if len(new_slots):
             try:
                 # depth 0: existing nodes are never changed by an insert; depths are set below
-                res = self.index.insert(prompt, np.concatenate([grant.matched_slots, new_slots]), 0)
+                res = self.index.insert(ids, all_slots, 0)
             except Exception:
                 log.exception("prefix cache insert failed; continuing without caching this prompt")
                 self.pool.free_tokens(new_slots)
@@ -270,7 +287,7 @@ class CacheManager:
             grant.pending = []
             self.pool.tokens.free(grant.new_slots)
             self.in_flight_tokens -= len(grant.new_slots)
-            grant.new_slots = _NO_SLOTS
+            grant.new_slots = grant.slots = _NO_SLOTS
         if grant.handle is not None:
             self.index.unlock(grant.handle)
             grant.handle = None
@@ -285,13 +302,10 @@ class CacheManager:
             return False
         if pool.rows.num_free < rows:
             self._trim(rows - pool.rows.num_free)
-        # evict leaf by leaf, counting what each frees, and give it all back to the pool at once
-        free_rows, free_tokens, gone = pool.rows.num_free, pool.tokens.num_free, []
-        while (free_rows < rows or free_tokens < tokens) and self.index.evictable_size() > 0:
-            for arr in self.index.evict(1):
-                gone.append(arr)
-                free_tokens += len(arr)
-                free_rows += int(np.count_nonzero(pool.layer_table[:, arr] >= 0))
+        # LRU leaves until both fit, in one call: an unlocked node's tokens hold rows exactly for
+        # layers < its depth (check_integrity), so the layer-tokens the index counts are the rows
+        # each eviction frees; all of it goes back to the pool at once
+        gone = self.index.evict(max(0, tokens - pool.tokens.num_free), max(0, rows - pool.rows.num_free))
         if gone:
             slots = np.concatenate(gone)
             pool.free_tokens(slots)
@@ -301,25 +315,15 @@ class CacheManager:
     def _trim(self, need: int) -> None:
         """Halve the depth of cold unlocked nodes, least recently used first, until ``need`` rows
         are free (shallow layers serve every prefix fraction; deep ones only high ones)."""
-        freed = 0
-        slots: list[np.ndarray] = []
-        keep: list[int] = []  # the depth each trimmed node keeps
         # one pass halves each cold node once, the next pass again (the index's trim order). An
         # unlocked node's tokens hold rows exactly for layers < its depth (check_integrity), so
-        # what a halving frees is known before the rows are dropped, all at once, after the walk.
-        with closing(self.index.trim_candidates(MIN_TRIM_DEPTH)) as nodes:
-            for node in nodes:
-                new = max(MIN_TRIM_DEPTH, node.depth // 2)
-                freed += len(node.value) * (node.depth - new)
-                self.index.set_depth(node, new)
-                slots.append(node.value)
-                keep.append(new)
-                if freed >= need:
-                    break
-        if slots:
+        # the layer-tokens the index drops are the rows to free, all at once, after the walk.
+        nodes, keep, _ = self.index.halve_cold(MIN_TRIM_DEPTH, need)
+        if nodes:
+            values = [node.value for node in nodes]
             # a node halved twice appears twice; its later (lower) depth is what it keeps
-            keep_per_slot = np.repeat(np.asarray(keep, dtype=np.int64), [len(v) for v in slots])
-            self.trimmed_layer_tokens += self._drop_min(np.concatenate(slots), keep_per_slot)
+            keep_per_slot = np.repeat(np.asarray(keep, dtype=np.int64), [len(v) for v in values])
+            self.trimmed_layer_tokens += self._drop_min(np.concatenate(values), keep_per_slot)
 
     def _drop_min(self, slots: np.ndarray, keep: np.ndarray) -> int:
         """``drop_layers`` for slots listed more than once: each keeps its lowest depth."""

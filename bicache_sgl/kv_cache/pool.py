@@ -33,7 +33,9 @@ keep sharing one label and a match is cut into runs of equal rows by comparing o
 token instead of L contexts per token. Labels may split a class of equal rows (harmless: one
 more run); they never join unequal rows (``check_exact_classes``).
 
-Allocators are free lists of indices (numpy; no tensors in the bookkeeping).
+Allocators are free lists of indices (numpy; no tensors in the bookkeeping). Row ids and context
+ids are stored as int32 where the row count allows (half the bytes for every table write, share
+copy and free); ids handed out are int64 (``SeqKV.rows``, the capture's device rows).
 """
 
 from __future__ import annotations
@@ -56,9 +58,13 @@ class SlotAllocator:
     reversed one) and an ``alloc`` hands back the last freed indices in the order they were freed
     (sorted frees come back as ascending runs); fresh indices come low first."""
 
-    def __init__(self, capacity: int, offset: int = 0) -> None:
+    def __init__(self, capacity: int, offset: int = 0, dtype: type = np.int64) -> None:
         self.capacity = capacity
-        self._free = np.arange(offset, offset + capacity, dtype=np.int64)
+        # ``dtype``: how the free list stores them (int32 halves its memory and every free); alloc
+        # hands out int64 ids either way, widened by the one copy it makes anyway
+        if offset + capacity > np.iinfo(dtype).max:
+            raise ValueError(f"SlotAllocator: indices up to {offset + capacity} do not fit {np.dtype(dtype).name}")
+        self._free = np.arange(offset, offset + capacity, dtype=dtype)
         self._lo = 0
 
     @property
@@ -68,13 +74,12 @@ class SlotAllocator:
     def alloc(self, n: int) -> np.ndarray | None:
         if n > self.capacity - self._lo:
             return None
-        out = self._free[self._lo:self._lo + n].copy()
+        out = self._free[self._lo:self._lo + n].astype(np.int64)  # a copy, int64 whatever the storage
         self._lo += n
         return out
 
     def free(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64).ravel()
-        self.free_parts([slots])
+        self.free_parts([np.asarray(slots).ravel()])  # written into the free list in its dtype
 
     def free_parts(self, parts: list[np.ndarray]) -> None:
         """:meth:`free` of the concatenation of ``parts`` (any shapes, C order), each written
@@ -102,11 +107,18 @@ class CaptureContexts:
         self._seq_len: dict[int, int] = {}
         self._refs: dict[int, int] = {}
         self._next = 0
+        # ids of forgotten contexts, reused: ids stay below the most contexts ever alive at once
+        # (each bound row refers to one), so they fit the pool's int32 ctx table however long it runs
+        self._spare: list[int] = []
 
     def new(self, tokens: np.ndarray, seq_len: int) -> int:
-        """Register one capturing forward's context (no reference yet: :meth:`ref` on bind)."""
-        cid = self._next
-        self._next += 1
+        """Register one capturing forward's context (no reference yet: :meth:`ref` on bind). A
+        forgotten context's id may be given again: no row refers to it any more."""
+        if self._spare:
+            cid = self._spare.pop()
+        else:
+            cid = self._next
+            self._next += 1
         self._tokens[cid] = np.asarray(tokens, dtype=np.int64)
         self._seq_len[cid] = int(seq_len)
         self._refs[cid] = 0
@@ -129,10 +141,9 @@ class CaptureContexts:
 
     def forget(self, cid: int) -> None:
         """Drop a context no row refers to (an unused registration, or the last row freed)."""
-        if self._refs.get(cid, 0) <= 0:
-            self._tokens.pop(cid, None)
-            self._seq_len.pop(cid, None)
-            self._refs.pop(cid, None)
+        if self._refs.get(cid, 0) <= 0 and cid in self._tokens:
+            del self._tokens[cid], self._seq_len[cid], self._refs[cid]
+            self._spare.append(cid)
 
     def tokens(self, cid: int) -> np.ndarray:
         return self._tokens[cid]
@@ -155,12 +166,18 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.n_layers = cfg.n_layers
+        # prefix row ids and capture-context ids (below the row count: CaptureContexts) as int32
+        # where they fit: every table write, share copy and allocation moves half the bytes
+        self.index_dtype = np.int32 if row_capacity < np.iinfo(np.int32).max - 1 else np.int64
         self.tokens = SlotAllocator(token_capacity)
-        self.rows = SlotAllocator(row_capacity)
-        self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity)
+        self.rows = SlotAllocator(row_capacity, dtype=self.index_dtype)
+        # the request rows' free list too (a SeqKV still reads int64 ids: alloc widens them)
+        all_rows = row_capacity + request_row_capacity
+        self.request_rows = SlotAllocator(request_row_capacity, offset=row_capacity,
+                                          dtype=np.int32 if all_rows < np.iinfo(np.int32).max else np.int64)
         # layer-major [L, token slots] (module docstring): row, and capture context, per (layer, slot)
-        self.layer_table = np.full((cfg.n_layers, token_capacity), -1, dtype=np.int64)
-        self.layer_ctx = np.full((cfg.n_layers, token_capacity), -1, dtype=np.int64)
+        self.layer_table = np.full((cfg.n_layers, token_capacity), -1, dtype=self.index_dtype)
+        self.layer_ctx = np.full((cfg.n_layers, token_capacity), -1, dtype=self.index_dtype)
         self.contexts = CaptureContexts()
         self.cls = np.zeros(token_capacity, dtype=np.int64)  # capture class per slot (module docstring)
         self._next_cls = 1
@@ -248,6 +265,7 @@ class KVPool:
         return self.rows.capacity * self.bytes_per_layer_token
 
     def to_device(self, idx: np.ndarray) -> torch.Tensor:
+        """Row ids as a long tensor on the pool's device."""
         return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(self.device)
 
     def held_depth(self, slots: np.ndarray) -> int:
@@ -271,8 +289,14 @@ class KVPool:
         exactly where it has a context), not the whole ``[n, L]`` table."""
         if len(slots) == 0:
             return self.n_layers
-        full = (self.layer_ctx[:, slots[self.class_runs(slots)]] >= 0).all(axis=1)
-        return int(np.argmin(full)) if not full.all() else self.n_layers
+        cls = self.cls[slots]
+        if cls[0] == cls[-1] and not (cls != cls[0]).any():  # one class (a node's usual case): one column
+            have = self.layer_ctx[:, int(slots[0])] >= 0
+        else:
+            runs = np.flatnonzero(cls[1:] != cls[:-1]) + 1
+            have = (self.layer_ctx[:, slots[runs]] >= 0).all(axis=1) & (self.layer_ctx[:, int(slots[0])] >= 0)
+        lacking = np.flatnonzero(~have)
+        return int(lacking[0]) if lacking.size else self.n_layers
 
     def copy_rows_to(self, out: np.ndarray, slots: np.ndarray, depth: int) -> None:
         """``out[:depth] = rows_of(slots, depth)`` ([depth, n]), reading each contiguous run of
@@ -297,7 +321,7 @@ class KVPool:
     def rows_of(self, slots: np.ndarray, depth: int) -> np.ndarray:
         """[depth, n] rows of layers < depth (all must exist)."""
         assert self.held_depth_by_class(slots) >= depth, "reading a layer the node does not hold"
-        return self.layer_table[:depth, slots]
+        return self.layer_table[:depth, slots].astype(np.int64)
 
     # Bookkeeping (host only).
     def _relabel(self, cut, key: np.ndarray | None = None, same: bool = False) -> None:
