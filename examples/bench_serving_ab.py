@@ -118,16 +118,17 @@ def main(argv=None) -> dict:
     else:
         wl = Workload("fewshot", "fewshot", 0.0, {"num_questions": args.questions, "num_shots": args.shots})
     trees = args.code.split(",") if args.code else [None]
-    keys = [(t, c) for t in trees for c in configs]  # one server each
+    sides = ["old", "new"] if args.code else [None]
+    keys = [(i, c) for i in range(len(trees)) for c in configs]  # one server each
 
     def label(key) -> str:
-        t, c = key
-        return c if t is None else f"{'old' if t == trees[0] else 'new'}:{c}"
+        i, c = key
+        return c if sides[i] is None else f"{sides[i]}:{c}"
 
     servers = {}
     try:
         for key in keys:
-            t, c = key
+            t, c = trees[key[0]], key[1]
             env = {"PYTHONPATH": str(Path(t).resolve())} if t else None
             name = label(key).replace(":", "_")
             servers[key] = Runtime(model, prefix_cache=c, log_path=str(out / "logs" / f"server_{name}.log"), env=env,
@@ -143,7 +144,8 @@ def main(argv=None) -> dict:
                 before = srv.internal_state()
                 tps, cmd = run_workload(srv, args, model, wl, out, f"{label(key).replace(':', '_')}_r{rnd}", home)
                 d = counter_delta(before, srv.internal_state())
-                rows.append({"round": rnd, "tree": key[0], "config": key[1], "out_tok_s": tps, **d})
+                rows.append({"round": rnd, "side": sides[key[0]], "tree": trees[key[0]], "config": key[1],
+                             "out_tok_s": tps, **d})
                 print(f"round {rnd} {label(key):>12}: {tps:7.1f} out tok/s  "
                       f"computed layer-tokens {d.get('computed_layer_tokens')}", flush=True)
                 time.sleep(0.5)
@@ -154,12 +156,12 @@ def main(argv=None) -> dict:
     print(f"\ncommand (per server): {shlex.join(cmd)}\nserver flags: defaults"
           + (f" + {args.server_args}" if args.server_args else ""))
     summary: dict = {}
-    for t in trees:
+    for i, t in enumerate(trees):
         if t is not None:
-            print(f"\n{'old' if t == trees[0] else 'new'} = {t}")
+            print(f"\n{sides[i]} = {t}")
         print("\n| config | out tok/s per round | median | ratio to " + base + " per round | median ratio | ideal |")
         print("|---|---|---|---|---|---|")
-        mine = [r for r in rows if r["tree"] == t]
+        mine = [r for r in rows if r["side"] == sides[i]]
         for c in configs:
             tps = [r["out_tok_s"] for r in mine if r["config"] == c]
             btps = [r["out_tok_s"] for r in mine if r["config"] == base]
@@ -167,7 +169,7 @@ def main(argv=None) -> dict:
             comp = sum(r.get("computed_layer_tokens", 0) for r in mine if r["config"] == c)
             bcomp = sum(r.get("computed_layer_tokens", 0) for r in mine if r["config"] == base)
             ideal = bcomp / comp if comp else float("nan")
-            summary[label((t, c))] = {"median_tok_s": statistics.median(tps), "median_ratio": statistics.median(ratios),
+            summary[label((i, c))] = {"median_tok_s": statistics.median(tps), "median_ratio": statistics.median(ratios),
                                       "ratios": ratios, "ideal": ideal}
             print(f"| {c} | {', '.join(f'{x:.0f}' for x in tps)} | {statistics.median(tps):.0f} | "
                   f"{', '.join(f'{x:.2f}' for x in ratios)} | {statistics.median(ratios):.2f}x | {ideal:.2f}x |")
@@ -175,8 +177,8 @@ def main(argv=None) -> dict:
         print("\n| config | new / old out tok/s per round | median |")
         print("|---|---|---|")
         for c in configs:
-            old = [r["out_tok_s"] for r in rows if r["tree"] == trees[0] and r["config"] == c]
-            new = [r["out_tok_s"] for r in rows if r["tree"] == trees[1] and r["config"] == c]
+            old = [r["out_tok_s"] for r in rows if r["side"] == "old" and r["config"] == c]
+            new = [r["out_tok_s"] for r in rows if r["side"] == "new" and r["config"] == c]
             q = [b / a for a, b in zip(old, new)]
             summary[f"new/old:{c}"] = statistics.median(q)
             print(f"| {c} | {', '.join(f'{x:.2f}' for x in q)} | {statistics.median(q):.2f}x |")

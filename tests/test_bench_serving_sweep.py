@@ -129,3 +129,42 @@ def test_tiny_sweep_end_to_end(tiny_llada, tmp_path, capsys):
         assert (out / "sweep.png").stat().st_size > 0
     # the configuration's server was stopped
     assert "sglang.bench_serving" in rows[0]["command"] and "--flush-cache" in rows[0]["command"]
+
+
+def _bench_ab():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_serving_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_serving_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_serving_ab_code_needs_two_source_trees(tmp_path):
+    ab = _bench_ab()
+    root = str(Path(__file__).resolve().parents[1])
+    assert ab.parse_args(["--code", f"{root},{root}"]).code == f"{root},{root}"
+    for bad in (root, f"{root},{tmp_path}", f"{root},{root},{root}"):
+        with pytest.raises(SystemExit):
+            ab.parse_args(["--code", bad])
+
+
+def test_bench_serving_ab_two_trees_interleaved_end_to_end(tiny_llada, tmp_path, capsys):
+    """--code OLD,NEW: a server per tree and mode (PYTHONPATH = the tree), each round running
+    every one of them; the new / old table compares the same mode across trees."""
+    pytest.importorskip("sglang")
+    ab = _bench_ab()
+    root = str(Path(__file__).resolve().parents[1])
+    summary = ab.main(["--model-path", tiny_llada, "--code", f"{root},{root}", "--rounds", "1", "--groups", "2",
+                       "--per-group", "2", "--system-len", "48", "--question-len", "8", "--output-len", "8",
+                       "--concurrency", "2", "--out-dir", str(tmp_path), "--server-args", "--block-length 8"])
+    printed = capsys.readouterr().out
+    assert printed.count("PYTHONPATH=" + root) == 4  # old:off, old:bicache, new:off, new:bicache
+    for key in ("old:off", "old:bicache", "new:off", "new:bicache"):
+        assert summary[key]["median_tok_s"] > 0
+    assert summary["new:bicache"]["ideal"] >= 1.0 and summary["new/old:off"] > 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert sorted((r["side"], r["config"]) for r in rows) == [("new", "bicache"), ("new", "off"), ("old", "bicache"),
+                                                             ("old", "off")]
+    assert all(r["tree"] == root for r in rows)
+    assert "| off | " in printed and "new / old out tok/s per round" in printed
