@@ -425,6 +425,10 @@ class EngineProcessClient:
 
     def _deliver_with_text(self, p: _Pending, ev: RequestEvent) -> None:
         fill_logprob_texts(ev.meta_info, self._decode_token)
+        self._deliver(p, ev)
+
+    @staticmethod
+    def _deliver(p: _Pending, ev: RequestEvent) -> None:
         if p.on_event is not None:
             try:
                 p.on_event(ev)
@@ -447,11 +451,7 @@ class EngineProcessClient:
                         self._text_pool.submit(self._deliver_with_text, p, ev)
                         continue
                     fill_logprob_texts(ev.meta_info, self._decode_token)
-                if p.on_event is not None:
-                    try:
-                        p.on_event(ev)
-                    except Exception:
-                        log.exception("event callback for %s failed", ev.rid)
+                self._deliver(p, ev)
         elif kind == "reply":
             with self._lock:
                 reply = self._replies.pop(msg[1], None)
