@@ -37,20 +37,11 @@ class LruHeaps:
         """Unlocked nodes deeper than ``min_depth``, least recently used first (ties: creation
         order), in passes (see ``PrefixIndex``). Nodes at or below ``min_depth`` leave the
         trim heap as they are met, so a cache trimmed down to the floor costs nothing to ask."""
-        min_depth = check_depth(min_depth)
-        if min_depth < self._cold_floor:
-            self._rebuild_cold()
-        self._cold_floor = max(self._cold_floor, min_depth)
+        min_depth = self._begin_trim(min_depth)
         deferred: list[TreeNode] = []
         try:
             while True:
-                while self._cold:
-                    t, _, _, node = heapq.heappop(self._cold)
-                    if not node.alive or node.cold_t != t:
-                        continue  # stale
-                    node.cold_t = -1
-                    if node.lock_ref > 0 or node.depth <= min_depth:
-                        continue  # unlock / set_depth push it again
+                while (node := self._pop_cold(min_depth)) is not None:
                     deferred.append(node)
                     yield node
                 if not deferred:
@@ -64,6 +55,29 @@ class LruHeaps:
             for node in deferred:
                 self._cold_push(node)
 
+    def _begin_trim(self, min_depth: int) -> int:
+        """``min_depth`` checked; the trim heap made complete for nodes deeper than it."""
+        min_depth = check_depth(min_depth)
+        if min_depth < self._cold_floor:
+            self._rebuild_cold()
+        self._cold_floor = max(self._cold_floor, min_depth)
+        return min_depth
+
+    def _pop_cold(self, min_depth: int) -> TreeNode | None:
+        """The coldest live, unlocked node deeper than ``min_depth``, taken off the trim heap (None
+        when none is left). Stale entries, locked nodes and nodes at or below the floor leave the
+        heap as they are met: unlock and set_depth push a node again."""
+        heap = self._cold
+        while heap:
+            t, _, _, node = heapq.heappop(heap)
+            if not node.alive or node.cold_t != t:
+                continue  # stale
+            node.cold_t = -1
+            if node.lock_ref > 0 or node.depth <= min_depth:
+                continue
+            return node
+        return None
+
     def halve_cold(self, min_depth: int, need: int) -> tuple[list[TreeNode], list[int], int]:
         """Halve the depth of unlocked nodes deeper than ``min_depth`` (each to
         ``max(min_depth, depth // 2)``), least recently used first, in the passes of
@@ -74,24 +88,14 @@ class LruHeaps:
         The same choices as ``trim_candidates`` + ``set_depth`` per node, in one loop: no
         generator step, handle validation or histogram entry per node (the counters are updated
         once at the end), which is what a full pool pays per trimmed node."""
-        min_depth = check_depth(min_depth)
-        if min_depth < self._cold_floor:
-            self._rebuild_cold()
-        self._cold_floor = max(self._cold_floor, min_depth)
+        min_depth = self._begin_trim(min_depth)
         nodes: list[TreeNode] = []
         kept: list[int] = []
         dropped = 0
         hist_delta: dict[int, int] = {}
         deferred: list[TreeNode] = []
-        heap = self._cold
         while dropped < need:
-            while heap and dropped < need:
-                t, _, _, node = heapq.heappop(heap)
-                if not node.alive or node.cold_t != t:
-                    continue  # stale
-                node.cold_t = -1
-                if node.lock_ref > 0 or node.depth <= min_depth:
-                    continue  # unlock / set_depth push it again
+            while dropped < need and (node := self._pop_cold(min_depth)) is not None:
                 deferred.append(node)
                 old, size = node.depth, len(node.key)
                 new = max(min_depth, old // 2)
@@ -106,7 +110,6 @@ class LruHeaps:
             again, deferred = deferred, []  # the next pass: each node once more, coldest first
             for node in again:
                 self._cold_push(node)
-            heap = self._cold  # (a push may rebuild the heap)
         for node in deferred:
             self._cold_push(node)
         self._layer_tokens -= dropped
