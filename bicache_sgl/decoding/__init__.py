@@ -162,19 +162,17 @@ def decide_greedy(parts: list[torch.Tensor], banned: list[tuple[int, ...]]) -> l
 
 def select_transfer(conf: torch.Tensor, k: int, threshold: float | None) -> torch.Tensor:
     """Indices (into conf) to unmask this step. Fixed schedule: the top-k. Threshold (Fast-dLLM):
-    every position with confidence >= threshold, and at least the most confident one."""
+    every position with confidence >= threshold, and at least the most confident one (as a CPU
+    tensor)."""
     if conf.numel() == 0:
         return torch.empty(0, dtype=torch.long)
     if threshold is not None and threshold > 0:
-        if conf.device.type == "cpu":  # the same order in numpy, without four dispatched torch ops
-            c = conf.numpy()
-            order = np.argsort(-c, kind="stable")  # descending, ties in position order
-            keep = c[order] >= threshold
-            keep[0] = True
-            return torch.from_numpy(order[keep])
-        order = torch.argsort(conf, descending=True, stable=True)
-        keep = conf[order] >= threshold
+        # on the host whatever the device (the request applies the indices there): one numpy
+        # sort instead of four dispatched torch ops
+        c = conf.cpu().numpy()
+        order = np.argsort(-c, kind="stable")  # descending, ties in position order (torch's stable sort)
+        keep = c[order] >= threshold
         keep[0] = True
-        return order[keep]
+        return torch.from_numpy(order[keep])
     k = max(1, min(k, conf.numel()))
     return torch.topk(conf, k, sorted=True).indices
