@@ -24,6 +24,7 @@ from ..bicache.policy import make_policy
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
+from ..models.tokenize import TextEncoder
 from ..scheduler.request import Req
 from ..scheduler.validate import ValidRequest
 from .model_runner import load
@@ -63,6 +64,7 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         loaded = load(cfg)
         self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
+        self._encode = TextEncoder(self.tokenizer)
         self.eos_ids, self.device = loaded.eos_ids, loaded.device
         mc = self.model_config
         self.context_length = context_length_of(cfg, loaded.model_config)
@@ -316,7 +318,8 @@ class Engine:
         return outs[0] if single and params.n == 1 else outs
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        """Prompt text -> ids, special tokens added (``tokenizer.encode``, models.tokenize)."""
+        return self._encode(text)
 
     def flush_cache(self, timeout: float = 30.0) -> bool:
         """Drop every cached prefix not held by a running request (safe while requests run: the

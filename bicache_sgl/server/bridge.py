@@ -12,6 +12,7 @@ so neither side ever blocks the other. One :class:`Submission`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -40,11 +41,13 @@ class Submission:
         self.items = list(items)
         self.rids: list[str | None] = [None] * len(self.items)
         self.finished = [False] * len(self.items)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # events not yet taken by events(), and its wait when there were none (a plain future woken
+        # by the next event or a timer: no task and no asyncio.wait per event)
+        self._events: collections.deque[tuple[int, RequestEvent]] = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.start = time.perf_counter()
         self.first_output: list[float | None] = [None] * len(self.items)
         self._on_finish = on_finish
-        self._getter: asyncio.Future | None = None
         self._cancelled = False
         self.disconnected = False  # the client went away (everything was aborted)
 
@@ -54,16 +57,16 @@ class Submission:
         Bad input -> APIError(400), full queue -> APIError(503); on any failure, or if the
         HTTP request is cancelled meanwhile, the items already submitted are aborted."""
         loop = asyncio.get_running_loop()
-        q = self.queue
+        push = self._push
         loop_thread = threading.get_ident()
 
         def make_cb(i: int):
             def on_event(ev: RequestEvent) -> None:  # never blocks
                 if threading.get_ident() == loop_thread:  # the loop reads the engine's pipe itself
-                    q.put_nowait((i, ev))
+                    push((i, ev))
                     return
                 try:  # another thread: hand over
-                    loop.call_soon_threadsafe(q.put_nowait, (i, ev))
+                    loop.call_soon_threadsafe(push, (i, ev))
                 except RuntimeError:  # loop closed (server shutting down)
                     pass
             return on_event
@@ -115,8 +118,7 @@ class Submission:
             if rid is not None and not self.finished[i]:
                 rids.append(rid)
                 self.finished[i] = True
-        if self._getter is not None and not self._getter.done():
-            self._getter.cancel()
+        _wake(self._waiter)  # a waiting events() sees that everything finished
         if not rids:
             return
 
@@ -137,29 +139,44 @@ class Submission:
         return all(self.finished)
 
     # -- events ---------------------------------------------------------------------------
+    def _push(self, item: tuple[int, RequestEvent]) -> None:
+        """An engine event, on the loop thread."""
+        self._events.append(item)
+        _wake(self._waiter)
+
+    async def _wait(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Until the next event, an abort, or ``timeout`` seconds."""
+        fut = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _wake, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiter = None
+
     async def events(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
                      poll_s: float = 0.5) -> AsyncIterator[tuple[int, RequestEvent]]:
         """Yield (index, event) until every item finished. Every ``poll_s`` seconds (whether
         events arrive or not) it asks ``is_disconnected`` and aborts everything when the client
         went away."""
+        loop = asyncio.get_running_loop()
+        pending = self._events
         last_check = time.monotonic()
         try:
             while not self.done:
-                if self._getter is None:
-                    self._getter = asyncio.ensure_future(self.queue.get())
-                done, _ = await asyncio.wait({self._getter}, timeout=poll_s)
+                if not pending:
+                    await self._wait(loop, poll_s)
                 now_m = time.monotonic()
-                if is_disconnected is not None and (not done or now_m - last_check >= poll_s):
+                if is_disconnected is not None and (not pending or now_m - last_check >= poll_s):
                     last_check = now_m
                     if await is_disconnected():
                         logger.info("client disconnected; aborting %s", [r for r in self.rids if r])
                         self.disconnected = True
                         self.abort()
                         return
-                if not done:
+                if not pending:  # timed out (or aborted: the loop condition ends it)
                     continue
-                i, ev = self._getter.result()
-                self._getter = None
+                i, ev = pending.popleft()
                 if self.finished[i]:
                     continue
                 now = time.perf_counter()
@@ -177,5 +194,8 @@ class Submission:
             # generator closed early (stream cancelled, client gone, error): free the engine side
             if not self.done:
                 self.abort()
-            if self._getter is not None and not self._getter.done():
-                self._getter.cancel()
+
+
+def _wake(fut: asyncio.Future | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)

@@ -15,6 +15,7 @@ from bicache_sgl.constrained import cache_info as constraint_cache_info
 from bicache_sgl.engine.interface import EngineClient
 from bicache_sgl.engine.process import EngineDeadError, EngineProcessClient
 from bicache_sgl.io_struct import RequestEvent
+from bicache_sgl.models.tokenize import TextEncoder
 from bicache_sgl.server.args import ServerArgs
 from bicache_sgl.server.bridge import Submission
 from bicache_sgl.server.chat import load_chat_template
@@ -56,6 +57,7 @@ class ServerState:
         # send, never waiting on the engine: such submissions run on the loop (bridge.Submission)
         self.quick_submit = isinstance(engine, EngineProcessClient) and engine.submit_returns_at_once
         self._stats_call: asyncio.Future | None = None
+        self._encoder: TextEncoder | None = None  # made on first use (the engine's tokenizer)
         self._last_stats: dict[str, Any] = {}
         self._last_stats_at = 0.0
 
@@ -82,15 +84,21 @@ class ServerState:
         return self.engine.model_config.vocab_size
 
     # -- tokenizer -------------------------------------------------------------------------
+    def _text_encoder(self) -> TextEncoder:
+        enc = self._encoder
+        if enc is None or enc.tokenizer is not self.tokenizer:
+            enc = self._encoder = TextEncoder(self.tokenizer)
+        return enc
+
     def tokenize(self, text: str) -> list[int]:
         """Prompt text -> ids, special tokens added as the model expects (SGLang does the same)."""
-        return list(self.tokenizer.encode(text))
+        return self._text_encoder()(text)
 
     def tokenize_rendered(self, text: str) -> list[int]:
         """A chat-template output: its special tokens are already in the text."""
         bos = self.tokenizer.bos_token
         add = not (bos and text.startswith(bos))
-        return list(self.tokenizer.encode(text, add_special_tokens=add))
+        return self._text_encoder()(text, add_special_tokens=add)
 
     def decode_token(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
