@@ -46,11 +46,22 @@ difference of its wall time from the first tree's.
     python examples/bench_server_overhead.py --modes off --rounds 5 --items 32 --client keepalive
     python examples/bench_server_overhead.py --modes off --no-alone --code /tmp/base,$PWD
     python examples/bench_server_overhead.py --route chat --client keepalive --no-alone --code /tmp/base,$PWD
+    python examples/bench_server_overhead.py --floor-only              # this machine's floor, no model
+
+``--floor`` (and ``--floor-only``) first measures what this machine costs before any of this
+project's code runs: the round trip of the same POST to a bare Starlette app under uvicorn (a
+handler that parses the JSON body and answers a fixed JSON object, no engine) with each client,
+and the round trip of a 1.4 KB message through a pipe to another process (the server -> engine
+-> server hops), each sent back to back and after ``--floor-gap-ms`` of idle time (the engine's
+share of a request at concurrency 1, during which the server's core waits). On a virtual machine
+code that runs right after an idle stretch is several times slower than back to back, so the
+second figure is the one the paired overhead compares with.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import shlex
 import statistics
@@ -146,7 +157,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated: new (a connection per request, as SGLang's frontend), "
                          "keepalive (one persistent connection, as the openai client)")
     ap.add_argument("--route", default="generate", choices=sorted(ROUTES))
+    ap.add_argument("--floor", action="store_true", help="first print this machine's HTTP and pipe floor (below)")
+    ap.add_argument("--floor-only", action="store_true", help="print the floor and stop (needs no model)")
+    ap.add_argument("--floor-gap-ms", type=float, default=5.0, help="idle time before each floor request")
     args = ap.parse_args(argv)
+    if args.floor_gap_ms < 0:
+        ap.error("--floor-gap-ms must be >= 0")
     args.clients = [c for c in args.client.split(",") if c]
     bad = [c for c in args.clients if c not in CLIENTS]
     if bad or not args.clients:
@@ -158,6 +174,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
+    if args.floor or args.floor_only:
+        machine_floor(args.clients, args.items * max(1, args.rounds), args.floor_gap_ms / 1e3)
+        if args.floor_only:
+            return
     if args.code:
         compare_code(args, [c for c in args.code.split(",") if c])
         return
@@ -210,6 +230,104 @@ def main(argv: list[str] | None = None) -> None:
             rt.shutdown()
         for eng in engines.values():
             eng.shutdown()
+
+
+FLOOR_APP = """
+import orjson
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+
+ANSWER = orjson.dumps({"text": "x" * 32, "output_ids": list(range(32)),
+                       "meta_info": {"id": "0" * 32, "prompt_tokens": 200, "completion_tokens": 32,
+                                     "e2e_latency": 0.005, "finish_reason": {"type": "length", "length": 32}}})
+
+
+async def generate(request):
+    orjson.loads(await request.body())
+    return Response(ANSWER, media_type="application/json")
+
+app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+"""
+
+
+def machine_floor(clients: list[str], n: int, gap_s: float) -> None:
+    """Print the round trip of a POST to a bare Starlette app and of a message through a pipe to
+    another process, back to back and after ``gap_s`` idle (medians of ``n``)."""
+    import multiprocessing
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from bicache_sgl.runtime import find_free_port, http_json
+    from bicache_sgl.training import task
+
+    prompt = task.heldout_items(1, num_shots=8, seed=0, questions_per_family=6)[0]["prompt"]
+    body = payload("generate", prompt, {"max_new_tokens": 32, "temperature": 0})
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "floor_app.py"), "w") as f:
+            f.write(FLOOR_APP)
+        port = find_free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", tmp, "floor_app:app", "--port",
+                                 str(port), "--log-level", "warning", "--no-access-log"])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    http_json(url + "/generate", body, timeout=5)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError("the floor app did not start") from None
+                    time.sleep(0.1)
+            for c in clients:
+                ka = KeepAliveClient(url) if c == "keepalive" else None
+                send = functools.partial(ka.post, "/generate", body) if ka else \
+                    functools.partial(http_json, url + "/generate", body)
+                figs = [_median_rt(send, n, g) for g in (0.0, gap_s)]
+                print(f"floor: bare HTTP POST {c:>9}: back to back {figs[0]:.2f} ms, after {gap_s * 1e3:g} ms idle "
+                      f"{figs[1]:.2f} ms", flush=True)
+                if ka:
+                    ka.close()
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    child = ctx.Process(target=_echo, args=(b,), daemon=True)
+    child.start()
+    msg = b"x" * 1400
+
+    def pipe_rt() -> None:
+        a.send_bytes(msg)
+        a.recv_bytes()
+    try:
+        figs = [_median_rt(pipe_rt, n, g) for g in (0.0, gap_s)]
+        print(f"floor: pipe round trip to another process: back to back {figs[0]:.3f} ms, after "
+              f"{gap_s * 1e3:g} ms idle {figs[1]:.3f} ms", flush=True)
+    finally:
+        a.send_bytes(b"")
+        child.join(10)
+
+
+def _echo(conn: Any) -> None:
+    while msg := conn.recv_bytes():
+        conn.send_bytes(msg)
+
+
+def _median_rt(fn: Any, n: int, gap_s: float) -> float:
+    """Median ms of ``fn()`` over ``n`` calls (after 5 warm-up calls), sleeping ``gap_s`` before each."""
+    ts = []
+    for i in range(n + 5):
+        if gap_s:
+            time.sleep(gap_s)
+        t = time.perf_counter()
+        fn()
+        if i >= 5:
+            ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
 
 
 def _alone(eng: Any, prompt: str, sp: dict[str, Any]) -> float:
