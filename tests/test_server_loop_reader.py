@@ -132,3 +132,51 @@ def test_generation_routes_come_first_as_plain_starlette_routes():
     assert [r.path for r in routes[:len(GENERATION_PATHS)]] == list(GENERATION_PATHS)
     assert not any(isinstance(r, APIRoute) for r in routes[:len(GENERATION_PATHS)])
     assert all(isinstance(r, APIRoute) for r in routes[len(GENERATION_PATHS):])
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_submissions_and_aborts_made_in_one_loop_iteration_go_as_one_message_in_order(loop_kind):
+    client = _client()
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            assert client.attach_loop(loop)
+            written: list = []
+            write = client._write
+
+            def spy(msg: tuple) -> None:
+                written.append(msg[0] if msg[0] != "batch" else ("batch", [m[0] for m in msg[1]]))
+                write(msg)
+            client._write = spy
+            finals: dict[int, RequestEvent] = {}
+            done: asyncio.Future = loop.create_future()
+
+            def on_event(i: int):
+                def cb(ev: RequestEvent) -> None:
+                    if ev.finished:
+                        finals[i] = ev
+                        if len(finals) == 3 and not done.done():
+                            done.set_result(None)
+                return cb
+            greqs = []
+            for _ in range(3):
+                g = _request(client)
+                g.params = g.params.replace(max_new_tokens=256, ignore_eos=True)  # several blocks: many steps
+                greqs.append(g)
+            for i, g in enumerate(greqs):  # one loop iteration: nothing is written until it ends
+                client.submit(g, on_event(i))
+            client.abort(greqs[1].rid)
+            assert written == []
+            await asyncio.wait_for(done, 120)
+            # one message for the iteration, its parts in the order of the calls
+            assert written[0] == ("batch", ["submit", "submit", "submit", "abort"])
+            assert finals[1].meta_info["finish_reason"]["type"] == "abort"
+            for i in (0, 2):  # the abort reached only its own request
+                assert finals[i].error is None and finals[i].meta_info["completion_tokens"] == 256
+            # a round trip from another thread is written at once, after anything queued before it
+            client.abort(greqs[0].rid)  # finished already: a no-op in the engine, but queued here
+            stats = await asyncio.to_thread(client.get_stats)
+            assert stats["engine_pid"] == client.pid and written[1:3] == ["abort", "stats"]
+        _run(run, loop_kind)
+    finally:
+        client.shutdown()
