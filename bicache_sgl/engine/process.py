@@ -63,9 +63,6 @@ STATS_TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------------------------- parent side
-_DEFERRABLE = ("submit", "abort")  # messages the loop may send together (EngineProcessClient._send)
-
-
 @dataclasses.dataclass
 class _Pending:
     on_event: Callable[[RequestEvent], None] | None
@@ -108,7 +105,6 @@ class EngineProcessClient:
         self._wake_r, self._wake_w = os.pipe()  # wakes the receiver thread's wait for the handover
         self._wake_fds: tuple[int, ...] = (self._wake_r, self._wake_w)
         self._loop_thread: int | None = None
-        self._outbox: list[tuple] = []  # messages made on the loop, sent at the end of its iteration (_send)
         self._loop_done = threading.Event()  # the loop read "bye" or end-of-file (or stopped reading)
         self._text_pool: ThreadPoolExecutor | None = None  # logprob texts, decoded off the loop
         cfg = config or EngineConfig()
@@ -277,33 +273,7 @@ class EngineProcessClient:
     def _send(self, msg: tuple) -> None:
         """Send one message (the caller holds self._lock). A child that is gone cannot take it:
         that is not the sender's error to report, the receiver thread sees the exit and fails
-        every pending request and round trip (this one included).
-
-        Submissions and aborts made on the event loop that reads the pipe are sent together at
-        the end of the loop's current iteration (one ``("batch", [...])`` message: one pickle,
-        one write and one wake of the engine process for all the HTTP requests the iteration
-        handled); the child takes them one by one, in order, as if sent apart. Any other message
-        (and any message from another thread) first sends what is queued, so the order of all
-        messages is the order of the calls."""
-        if msg[0] in _DEFERRABLE and self._reading_on_loop and threading.get_ident() == self._loop_thread:
-            if not self._outbox:
-                assert self._loop is not None
-                self._loop.call_soon(self._flush_outbox)
-            self._outbox.append(msg)
-            return
-        self._flush_locked()
-        self._write(msg)
-
-    def _flush_outbox(self) -> None:
-        with self._lock:
-            self._flush_locked()
-
-    def _flush_locked(self) -> None:
-        if self._outbox:
-            box, self._outbox = self._outbox, []
-            self._write(box[0] if len(box) == 1 else ("batch", box))
-
-    def _write(self, msg: tuple) -> None:
+        every pending request and round trip (this one included)."""
         try:
             self._conn.send_bytes(dumps(msg))
         except (OSError, ValueError):  # broken pipe, or the pipe was closed at shutdown

@@ -209,8 +209,15 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
             for rid in late:
                 engine.abort(rid)
 
-    def handle(msg: tuple) -> bool:
-        """One message from the parent; False once the engine has shut down."""
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent closed its end without a shutdown message
+            log.warning("the server process closed the pipe; the engine process stops")
+            engine.shutdown(timeout=1.0)
+            finish(1)
+            return
+        msg = pickle.loads(raw)
         kind = msg[0]
         if kind == "submit":
             valid, reply_id, seeds = msg[1], msg[2], msg[3]
@@ -228,7 +235,7 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
             with submitting_lock:
                 if msg[1] in submitting:  # its submit is still running: abort it right after
                     early_aborts.add(msg[1])
-                    return True
+                    continue
             engine.abort(msg[1])
         elif kind == "stats":
             try:
@@ -242,22 +249,6 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
             engine.shutdown(timeout=msg[1])  # in-flight requests get their abort events first
             out.put(("bye",))
             finish(0)
-            return False
+            return
         else:
             log.error("unknown message %r", kind)
-        return True
-
-    while True:
-        try:
-            raw = conn.recv_bytes()
-        except (EOFError, OSError):  # the parent closed its end without a shutdown message
-            log.warning("the server process closed the pipe; the engine process stops")
-            engine.shutdown(timeout=1.0)
-            finish(1)
-            return
-        msg = pickle.loads(raw)
-        # a batch is the messages the server's event loop made in one iteration, in order
-        for m in (msg[1] if msg[0] == "batch" else (msg,)):
-            if not handle(m):
-                return
-
