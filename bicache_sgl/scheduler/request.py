@@ -61,10 +61,7 @@ class Req:
         self.internal = False  # the engine's own work (an output capture): no events, not in the stats
         self.created = time.perf_counter()
         self.needs_score = self.kind == "score" or (greq.return_logprob and greq.logprob_start_len >= 0)
-        # the sampling generator is made on first use (most requests are reseeded by the engine
-        # right after this, and greedy ones may never draw): the same stream as one made now
-        self._seed = p.seed if p.seed is not None else seed
-        self._generator: torch.Generator | None = None
+        self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else seed)
         # how it decodes: the family's schedule, the logits a decision is made on, where the output
         # ends, its logprobs; structured generation (docs/structured.md): the compiled constraint
         # (shared, immutable) and the automaton state after the committed blocks
@@ -89,10 +86,8 @@ class Req:
         # progress: the sequence [prompt_len + gen_len] (masks where not decided yet), the block
         # and its step, the final (whole-block) output
         self.seq_len = self.prompt_len + plan.gen_len
-        self._xn = np.empty(self.seq_len, dtype=np.int64)  # host-side reads and writes of x
-        self._xn[:self.prompt_len] = self.prompt_ids
-        self._xn[self.prompt_len:] = mask_id
-        self.x = torch.from_numpy(self._xn)  # the same memory
+        self.x = torch.tensor(self.prompt + [mask_id] * plan.gen_len, dtype=torch.long)
+        self._xn = self.x.numpy()  # the same memory (x is a CPU tensor): host-side reads and writes
         self.block = 0
         self.step_in_block = 0
         self.final_len = 0  # generated positions that are final (whole blocks)
@@ -111,15 +106,7 @@ class Req:
 
     def reseed(self, seed: int) -> None:
         """The engine's per-request seed (requests without ``sampling_params.seed``)."""
-        self._seed, self._generator = seed, None
-
-    @property
-    def generator(self) -> torch.Generator:
-        """The request's sampling generator (CPU), seeded with its seed when first used."""
-        g = self._generator
-        if g is None:
-            g = self._generator = torch.Generator().manual_seed(self._seed)
-        return g
+        self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def constraint(self) -> Constraint | None:
