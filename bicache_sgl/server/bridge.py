@@ -118,7 +118,7 @@ class Submission:
             if rid is not None and not self.finished[i]:
                 rids.append(rid)
                 self.finished[i] = True
-        _wake(self._waiter)  # a waiting events() sees that everything finished
+        _wake_from_any_thread(self._waiter)  # a waiting events() sees that everything finished
         if not rids:
             return
 
@@ -199,3 +199,21 @@ class Submission:
 def _wake(fut: asyncio.Future | None) -> None:
     if fut is not None and not fut.done():
         fut.set_result(None)
+
+
+def _wake_from_any_thread(fut: asyncio.Future | None) -> None:
+    """_wake on the future's own loop (abort may run where no loop runs, e.g. at shutdown)."""
+    if fut is None or fut.done():
+        return
+    loop = fut.get_loop()
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:
+        _wake(fut)
+        return
+    try:
+        loop.call_soon_threadsafe(_wake, fut)
+    except RuntimeError:  # that loop is closed: nobody waits any more
+        pass
