@@ -4,7 +4,7 @@
 tokenizer: it resolves padding and truncation strategies, wraps the text in a batch of one,
 calls ``encode_batch`` and converts the encoding to a ``BatchEncoding``. On the server's hot path
 (one prompt per request) that layer costs about as much as the tokenization itself, and more on
-a core that was idle while the engine ran (docs/performance.md, "The per-request server cost, third
+a core that was idle while the engine ran (docs/performance.md, "Results after issue 22's fifth
 round"). :class:`TextEncoder` calls the Rust tokenizer directly when that is exactly what
 transformers would run, and ``tokenizer.encode`` otherwise.
 """
