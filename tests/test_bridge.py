@@ -42,15 +42,17 @@ class ThreadEngine:
         t.join()
 
 
-def _items(n: int) -> list[Item]:
-    return [Item(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))) for _ in range(n)]
+async def _submitted(n: int) -> tuple[ThreadEngine, Submission]:
+    """n requests submitted through a Submission (on the running loop)."""
+    eng = ThreadEngine()
+    sub = Submission(eng, [Item(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))) for _ in range(n)])
+    await sub.submit()
+    return eng, sub
 
 
 def test_events_from_another_thread_arrive_in_order_and_the_wait_ends_when_all_finished():
     async def run():
-        eng = ThreadEngine()
-        sub = Submission(eng, _items(2))
-        await sub.submit()
+        eng, sub = await _submitted(2)
         a, b = sub.rids
         eng.emit(a, 1, False)
         eng.emit(b, 2, True)
@@ -63,9 +65,7 @@ def test_events_from_another_thread_arrive_in_order_and_the_wait_ends_when_all_f
 
 def test_an_event_after_a_wait_began_wakes_it_at_once():
     async def run():
-        eng = ThreadEngine()
-        sub = Submission(eng, _items(1))
-        await sub.submit()
+        eng, sub = await _submitted(1)
         loop = asyncio.get_running_loop()
         loop.call_later(0.05, lambda: threading.Thread(target=eng.emit, args=(sub.rids[0], 1, True)).start())
         t = time.monotonic()
@@ -76,9 +76,7 @@ def test_an_event_after_a_wait_began_wakes_it_at_once():
 
 def test_without_events_the_client_is_polled_and_a_disconnect_aborts_everything():
     async def run():
-        eng = ThreadEngine()
-        sub = Submission(eng, _items(2))
-        await sub.submit()
+        eng, sub = await _submitted(2)
         polls: list[float] = []
 
         async def is_disconnected() -> bool:
@@ -95,9 +93,7 @@ def test_without_events_the_client_is_polled_and_a_disconnect_aborts_everything(
 @pytest.mark.parametrize("from_thread", [False, True])
 def test_an_abort_wakes_a_waiting_events_at_once(from_thread):
     async def run():
-        eng = ThreadEngine()
-        sub = Submission(eng, _items(1))
-        await sub.submit()
+        eng, sub = await _submitted(1)
         loop = asyncio.get_running_loop()
         if from_thread:  # no loop runs there: the waiter is woken through its own loop
             loop.call_later(0.05, lambda: threading.Thread(target=sub.abort).start())
