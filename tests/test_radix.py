@@ -614,30 +614,39 @@ def _halve_by_candidates(tree: RadixTree, min_depth: int, need: int) -> tuple[li
     return nodes, kept, dropped
 
 
+def _twin_random_trees(rng, max_inserts: int, max_len: int, locks_and_probes: bool = False):
+    """Two radix trees built by the same random inserts (tokens 0-3, depths 0-8, fresh slots);
+    with ``locks_and_probes`` some inserts are locked (their handles returned per tree) and some
+    are followed by a probe match (splits, fresh LRU times)."""
+    import numpy as np
+    trees = [RadixTree(), RadixTree()]
+    handles: list[list] = [[], []]
+    next_slot = 0
+    for _ in range(int(rng.integers(5, max_inserts))):
+        ids = rng.integers(0, 4, int(rng.integers(1, max_len)))
+        depth = int(rng.integers(0, 9))
+        vals = np.arange(next_slot, next_slot + len(ids))
+        next_slot += len(ids)
+        lock = locks_and_probes and rng.random() < 0.2
+        for t, h in zip(trees, handles):
+            res = t.insert(ids, vals, depth)
+            if lock:
+                t.lock(res.handle)
+                h.append(res.handle)
+        if locks_and_probes and rng.random() < 0.3:
+            probe = rng.integers(0, 4, 5)
+            for t in trees:
+                t.match_prefix(probe)
+    return trees, handles
+
+
 def test_halve_cold_is_trim_candidates_with_set_depth() -> None:
     """The one-loop trim makes the same choices in the same order as the generator + set_depth
     per node, leaves the same depths, counters and heaps (a second trim agrees too)."""
     import numpy as np
     for seed in range(30):
         rng = np.random.default_rng(seed)
-        trees = [RadixTree(), RadixTree()]
-        handles: list[list] = [[], []]
-        next_slot = 0
-        for _ in range(int(rng.integers(5, 40))):
-            ids = rng.integers(0, 4, int(rng.integers(1, 12)))
-            depth = int(rng.integers(0, 9))
-            vals = np.arange(next_slot, next_slot + len(ids))
-            next_slot += len(ids)
-            lock = rng.random() < 0.2
-            for t, h in zip(trees, handles):
-                res = t.insert(ids, vals, depth)
-                if lock:
-                    t.lock(res.handle)
-                    h.append(res.handle)
-            if rng.random() < 0.3:  # a split and fresh LRU times
-                probe = rng.integers(0, 4, 5)
-                for t in trees:
-                    t.match_prefix(probe)
+        trees, handles = _twin_random_trees(rng, max_inserts=40, max_len=12, locks_and_probes=True)
         for t, h in zip(trees, handles):  # unlock some: those nodes are pushed back
             for handle in h[: len(h) // 2]:
                 t.unlock(handle)
@@ -659,15 +668,7 @@ def test_evict_by_layer_tokens_is_leaf_by_leaf_eviction() -> None:
     import numpy as np
     for seed in range(30):
         rng = np.random.default_rng(seed)
-        trees = [RadixTree(), RadixTree()]
-        next_slot = 0
-        for _ in range(int(rng.integers(5, 30))):
-            ids = rng.integers(0, 4, int(rng.integers(1, 10)))
-            depth = int(rng.integers(0, 9))
-            vals = np.arange(next_slot, next_slot + len(ids))
-            next_slot += len(ids)
-            for t in trees:
-                t.insert(ids, vals, depth)
+        trees, _ = _twin_random_trees(rng, max_inserts=30, max_len=10)
         want_tokens, want_layers = int(rng.integers(0, 40)), int(rng.integers(0, 200))
         ref, got_t, got_l = [], 0, 0
         depth_of = {int(n.value[0]): n.depth for n in trees[0].iter_nodes()}
