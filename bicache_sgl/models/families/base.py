@@ -25,6 +25,9 @@ TensorMap = dict[str, tuple[str, tuple[int, ...]]]
 # "bicache": bidirectional attention, so a cached row was computed without the request's suffix
 # and reusing it is an approximation, allowed up to the depth the r -> depth profile says.
 PREFIX_REUSE = ("bicache",)
+# special tokens that end a turn in the chat formats of LLaDA, Dream and the bundled model: the
+# engine stops a generation at any of them present in the vocabulary (with config.json's EOS ids)
+END_OF_TURN = ("<|eot_id|>", "<|endoftext|>", "<|im_end|>")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,8 @@ class Family:
     config wins (else the first registered). ``parse(cfg, name)`` returns the ModelConfig (with
     ``arch == name``) or raises CheckpointError naming the key at fault; ``tensor_names(cfg)``
     is the checkpoint's tensor-name map. ``chat_template``: the template used when the folder's
-    tokenizer has none (None: no fallback)."""
+    tokenizer has none (None: no fallback). ``end_of_turn``: special tokens that end a
+    generation besides config.json's EOS ids (those in the vocabulary)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -48,6 +52,7 @@ class Family:
     prefix_reuse: str = "bicache"
     marker_keys: tuple[str, ...] = ()
     chat_template: str | None = None
+    end_of_turn: tuple[str, ...] = END_OF_TURN
 
     def __post_init__(self) -> None:
         if self.prefix_reuse not in PREFIX_REUSE:
