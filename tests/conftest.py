@@ -36,4 +36,4 @@ def tiny_dream_sharded(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llada_moe(tmp_path_factory) -> str:
     from bicache_sgl.testing import make_tiny_llada_moe
-    return make_tiny_llada_moe(tmp_path_factory.mktemp("llada_moe"))
+    return make_tiny_llada_moe(tmp_path_factory.mktemp("llada_moe"), n_layers=3)

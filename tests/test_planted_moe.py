@@ -93,10 +93,10 @@ def test_naive_reuse_breaks_and_depth_at_most_k_equals_off(planted_moe, tmp_path
 
 
 def test_calibration_finds_at_most_k(planted_moe, tmp_path):
-    """The agreement criterion through the CLI, at three prefix fractions r (each request's length
+    """The agreement criterion through the CLI, at two prefix fractions r (each request's length
     puts it at its bucket: |prefix| / (|prefix + suffix| + gen) = r, one token per character)."""
     filler = " is the question: tell me which digit it is, please, in as few characters as you can" * 7
-    prefix, gen, fractions = PREFIX[:60], 4, (20.0, 50.0, 80.0)
+    prefix, gen, fractions = PREFIX[:60], 4, (30.0, 70.0)
     data = tmp_path / "data.jsonl"
     with data.open("w") as f:
         for r in fractions:
