@@ -40,6 +40,7 @@ class BlockDecodeDefaults:
     steps: int
     threshold: float
     minimal_topk: int = 1
+    cap_steps_by_gen_length: bool = True  # LLaDA2: steps = min(steps, gen_length // minimal_topk); SDAR: no cap
 
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps < 1 or self.minimal_topk < 1:
@@ -53,7 +54,7 @@ class BlockDecodeDefaults:
 # threshold 0.85, low_confidence_dynamic)
 FAMILY_DEFAULTS = {
     "llada2": BlockDecodeDefaults(block_length=32, steps=32, threshold=0.95),
-    "sdar": BlockDecodeDefaults(block_length=4, steps=4, threshold=0.85),
+    "sdar": BlockDecodeDefaults(block_length=4, steps=4, threshold=0.85, cap_steps_by_gen_length=False),
 }
 # LLaDA2.0's generate() defaults for the special ids (mask 156895, eos 156892) when config.json
 # does not name them; SDAR's tokenizer names its <|MASK|> token (Qwen3 vocabulary + 1 added).

@@ -54,7 +54,7 @@ def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int 
                      n_group: int = 4, topk_group: int = 2, num_shared_experts: int = 1,
                      moe_intermediate_size: int = 32, intermediate_size: int = 128, first_k_dense_replace: int = 1,
                      partial_rotary_factor: float = 0.5, score_function: str = "sigmoid", block_length: int = 4,
-                     seed: int = 0, std: float = 0.08, shards: int = 1) -> str:
+                     eos_token_id: int | None = None, seed: int = 0, std: float = 0.08, shards: int = 1) -> str:
     """A random LLaDA2 checkpoint (LLaDA2.0-mini's config keys and tensor names at tiny sizes).
     ``block_length`` is not a config.json key of the real checkpoints: it is written to
     ``generation_config.json`` here (the loader takes the block length from the caller)."""
@@ -74,7 +74,8 @@ def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int 
         "moe_intermediate_size": moe_intermediate_size, "first_k_dense_replace": first_k_dense_replace,
         "routed_scaling_factor": 2.5, "score_function": score_function,
         "moe_router_enable_expert_bias": score_function == "sigmoid", "norm_topk_prob": True,
-        "mask_token_id": special["<|mask|>"], "eos_token_id": special["<|endoftext|>"],
+        "mask_token_id": special["<|mask|>"],
+        "eos_token_id": special["<|endoftext|>"] if eos_token_id is None else eos_token_id,
         "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
     }
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -85,7 +86,7 @@ def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int 
 
 def make_tiny_sdar(folder: str | Path, *, n_layers: int = 3, hidden_size: int = 64, n_heads: int = 4,
                    n_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128, block_length: int = 4,
-                   seed: int = 0, std: float = 0.08, shards: int = 1) -> str:
+                   eos_token_id: int | None = None, seed: int = 0, std: float = 0.08, shards: int = 1) -> str:
     """A random SDAR checkpoint (SDARForCausalLM: Qwen3-style names, q_norm / k_norm, GQA)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,8 @@ def make_tiny_sdar(folder: str | Path, *, n_layers: int = 3, hidden_size: int = 
         "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads, "head_dim": head_dim,
         "attention_bias": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "vocab_size": vocab, "mask_token_id": special["<|mask|>"],
-        "eos_token_id": special["<|endoftext|>"], "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
+        "eos_token_id": special["<|endoftext|>"] if eos_token_id is None else eos_token_id,
+        "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
     }
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     (folder / "generation_config.json").write_text(json.dumps({"block_length": block_length}))
