@@ -1,4 +1,4 @@
-"""The decoding pieces a request is made of (issue 21): the denoiser chosen by algorithm family,
+"""The decoding pieces a request is made of (issue 21): the denoiser chosen by step schedule,
 its schedules, the rows a block step computes, logit processing, stop handling and the one
 detokenizer. The end-to-end exactness of these against the references is tests/test_dream_algorithms.py
 (Dream) and tests/test_engine.py / tests/test_fidelity.py (LLaDA)."""
@@ -30,11 +30,11 @@ def _plan(**sp) -> tuple[DecodePlan, SamplingParams]:
 
 
 @pytest.mark.parametrize("alg", ALGORITHMS)
-def test_the_denoiser_is_chosen_by_family(alg):
+def test_the_denoiser_is_chosen_by_schedule(alg):
     plan, params = _plan(dllm_algorithm=alg)
     d = make_denoiser(plan, params, MASK)
     want = DreamDenoiser if alg in DREAM_ALGORITHMS else LLaDADenoiser
-    assert type(d) is want and plan.family == want.family and DENOISERS[plan.family] is want
+    assert type(d) is want and plan.schedule == want.schedule and DENOISERS[plan.schedule] is want
     assert d.bans_mask is (want is LLaDADenoiser)  # Dream keeps the mask in its confidence's distribution
     assert set(DENOISERS) == {"llada", "dream"}
 

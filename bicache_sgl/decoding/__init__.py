@@ -3,7 +3,7 @@ Dream's (``bicache_sgl.decoding.dream``: ``origin``, ``maskgit_plus``, ``topk_ma
 ``entropy``) and Fast-dLLM threshold decoding.
 
 Pure functions on logits of the positions being decided. Built on them, per request: the
-denoiser of each algorithm family (``decoding.denoiser``, with ``decoding.plan``), logit
+denoiser of each step schedule (``decoding.denoiser``, with ``decoding.plan``), logit
 processing (``decoding.sampling``), stop handling (``decoding.stop``), logprobs
 (``decoding.logprobs``) and text (``decoding.text``); the request that drives them is
 ``bicache_sgl.scheduler.request``.

@@ -1,7 +1,8 @@
-"""Denoisers: one block's denoising steps for one algorithm family, chosen by name
-(:data:`DENOISERS`, keyed by ``DecodePlan.family``).
+"""Denoisers: one block's denoising steps for one step schedule, chosen by name
+(:data:`DENOISERS`, keyed by ``DecodePlan.schedule``; ``decoding.plan.ALGORITHM_SPECS`` says
+which schedule each algorithm runs on).
 
-Two families of unmasking algorithms share the request's block loop (docs/server.md, "Dream's
+Two schedules of unmasking algorithms share the request's block loop (docs/server.md, "Dream's
 generation algorithms"):
 
 - LLaDA's (``low_confidence``, ``random``): each block's steps unmask an even share of its
@@ -53,13 +54,13 @@ Decision = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (tokens [n], confi
 
 
 class Denoiser(ABC):
-    """Planning and applying one block's steps for one algorithm family (module docstring).
+    """Planning and applying one block's steps for one step schedule (module docstring).
 
     ``bans_mask``: whether the logits the decision is made on have the mask token banned
     (LLaDA); Dream's algorithms keep it in the distribution their confidence is computed on and
     exclude it from the decision themselves."""
 
-    family: ClassVar[str]
+    schedule: ClassVar[str]
     bans_mask: ClassVar[bool]
 
     def __init__(self, plan: DecodePlan, params: SamplingParams, mask_id: int) -> None:
@@ -73,11 +74,11 @@ class Denoiser(ABC):
     @abstractmethod
     def decide(self, lg: torch.Tensor, generator: torch.Generator) -> Decision:
         """Processed logits [n_masked, V] of the block's masked positions (in order) -> the
-        family's (tokens, confidence, logprob) for each."""
+        schedule's (tokens, confidence, logprob) for each."""
 
     def path_confidence(self, lg: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         """Under a constraint ``x0`` is the constraint's path and ``conf`` its confidence for the
-        plan's ``remasking``: the confidence the family ranks the path's positions by."""
+        plan's ``remasking``: the confidence the schedule ranks the path's positions by."""
         return conf
 
     @abstractmethod
@@ -98,7 +99,7 @@ class LLaDADenoiser(Denoiser):
     """LLaDA's ``low_confidence`` / ``random``: the block's steps unmask an even share of its
     masked positions, the most confident (or every one above ``threshold``)."""
 
-    family = "llada"
+    schedule = "llada"
     bans_mask = True
 
     def __init__(self, plan: DecodePlan, params: SamplingParams, mask_id: int) -> None:
@@ -128,7 +129,7 @@ class DreamDenoiser(Denoiser):
     """Dream's ``origin`` / ``maskgit_plus`` / ``topk_margin`` / ``entropy`` on its timestep
     schedule; steps that unmask nothing are skipped without a forward."""
 
-    family = "dream"
+    schedule = "dream"
     bans_mask = False
 
     def __init__(self, plan: DecodePlan, params: SamplingParams, mask_id: int) -> None:
@@ -186,10 +187,11 @@ class DreamDenoiser(Denoiser):
         self.tstep += 1
 
 
-# name -> class, by DecodePlan.family
-DENOISERS: Mapping[str, type[Denoiser]] = MappingProxyType({cls.family: cls for cls in (LLaDADenoiser, DreamDenoiser)})
+# schedule name -> class, by DecodePlan.schedule
+DENOISERS: Mapping[str, type[Denoiser]] = MappingProxyType({cls.schedule: cls
+                                                          for cls in (LLaDADenoiser, DreamDenoiser)})
 
 
 def make_denoiser(plan: DecodePlan, params: SamplingParams, mask_id: int) -> Denoiser:
-    """The denoiser of the plan's algorithm family."""
-    return DENOISERS[plan.family](plan, params, mask_id)
+    """The denoiser of the plan's step schedule."""
+    return DENOISERS[plan.schedule](plan, params, mask_id)

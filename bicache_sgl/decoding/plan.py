@@ -3,16 +3,69 @@ flags and the checkpoint's generation defaults."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..config import DEFAULT_EPS, DREAM_ALGORITHMS, REMASKING, DecodeDefaults, SamplingParams
+from ..config import (
+    ALGORITHMS,
+    DEFAULT_EPS,
+    DREAM_ALGORITHMS,
+    LLADA_ALGORITHMS,
+    REMASKING,
+    DecodeDefaults,
+    SamplingParams,
+)
 
 # Dream's schedule may have more steps than tokens (the extra ones unmask nothing and cost no
 # forward, but their timesteps are kept and walked): a bound on that bookkeeping
 MAX_DREAM_STEPS = 1 << 16
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What an unmasking algorithm (``config.ALGORITHMS``) is to the request loop.
+
+    ``schedule``: the step schedule, which picks the denoiser (``decoding.denoiser.DENOISERS``):
+    "llada" (each block's steps unmask an even share of its masked positions) or "dream" (Dream's
+    timestep schedule). Not to be confused with a checkpoint family (``models.families``): any
+    family may run any algorithm it accepts (:class:`FamilyDecoding`)."""
+
+    name: str
+    schedule: str
+    max_steps_per_block: int | None  # None: at most block_length (every step unmasks >= 1 position)
+    batch_greedy: bool  # its greedy threshold step is ``decoding.decide_greedy``'s, made for many requests at once
+
+
+ALGORITHM_SPECS: Mapping[str, AlgorithmSpec] = MappingProxyType(
+    {a: AlgorithmSpec(a, "llada", None, a == "low_confidence") for a in LLADA_ALGORITHMS}
+    | {a: AlgorithmSpec(a, "dream", MAX_DREAM_STEPS, False) for a in DREAM_ALGORITHMS})
+
+
+@dataclass(frozen=True)
+class FamilyDecoding:
+    """What a checkpoint family (``models.families``) declares about decoding: the algorithm a
+    request runs when neither it, the server flags nor the checkpoint's generation_config.json
+    name one, and the algorithms the family accepts (another is refused, naming the family)."""
+
+    family: str = ""
+    default_algorithm: str = "low_confidence"
+    algorithms: tuple[str, ...] = ALGORITHMS
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in (self.default_algorithm, *self.algorithms) if a not in ALGORITHM_SPECS]
+        if unknown:
+            raise ValueError(f"family {self.family!r}: unknown decoding algorithm(s) {unknown}")
+        if self.default_algorithm not in self.algorithms:
+            raise ValueError(f"family {self.family!r}: its default algorithm {self.default_algorithm!r} is not one "
+                             f"it accepts {self.algorithms}")
+
+
+# no family's constraints: the built-in default algorithm, every algorithm accepted
+ANY_FAMILY = FamilyDecoding()
 
 
 class CheckpointHints(Protocol):
@@ -46,16 +99,14 @@ class DecodePlan:
     step_rows: str = "block"  # config.STEP_ROWS: what a dual-cache block step computes
 
     @property
-    def family(self) -> str:
-        """The algorithm family, which picks the denoiser (``decoding.denoiser.DENOISERS``):
-        ``dream`` for Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``,
-        ``entropy``), ``llada`` for LLaDA's per-block linear schedule."""
-        return "dream" if self.algorithm in DREAM_ALGORITHMS else "llada"
+    def spec(self) -> AlgorithmSpec:
+        """What its algorithm is to the request loop (:data:`ALGORITHM_SPECS`)."""
+        return ALGORITHM_SPECS[self.algorithm]
 
     @property
-    def dream(self) -> bool:
-        """Dream's timestep schedule (``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``)."""
-        return self.algorithm in DREAM_ALGORITHMS
+    def schedule(self) -> str:
+        """The step schedule, which picks the denoiser: "llada" or "dream" (:class:`AlgorithmSpec`)."""
+        return ALGORITHM_SPECS[self.algorithm].schedule
 
     def refreshes(self, step: int) -> bool:
         """Whether a block's step ``step`` computes the whole sequence (reusing only the planned
@@ -87,12 +138,15 @@ class DecodePlan:
         return np.arange(bs - shift, be, dtype=np.int64)
 
     @classmethod
-    def resolve(cls, p: SamplingParams, d: DecodeDefaults, g: CheckpointHints | None = None) -> DecodePlan:
+    def resolve(cls, p: SamplingParams, d: DecodeDefaults, g: CheckpointHints | None = None,
+                family: FamilyDecoding | None = None) -> DecodePlan:
         """Each knob from, in order: the request, the server (``d``), the checkpoint's
-        generation_config.json (``g``), the built-in default."""
+        generation_config.json (``g``), the checkpoint family's default (``family``; the
+        algorithm), the built-in default. Whether the family accepts the algorithm is the
+        request edge's check (``scheduler.validate``)."""
         g_steps, g_alg, g_eps, g_temp = (g.steps, g.algorithm, g.eps, g.alg_temp) if g is not None else (None,) * 4
         block = p.block_length or d.block_length
-        alg = p.dllm_algorithm or d.dllm_algorithm or g_alg or "low_confidence"
+        alg = p.dllm_algorithm or d.dllm_algorithm or g_alg or (family or ANY_FAMILY).default_algorithm
         remasking = alg if alg in REMASKING else "low_confidence"
         cache_mode = p.cache_mode or d.cache_mode
         step_rows = p.step_rows or d.step_rows
@@ -114,7 +168,7 @@ class DecodePlan:
             spb = max(1, g_steps // n_blocks)
         else:
             spb = block
-        if alg not in DREAM_ALGORITHMS:
+        if ALGORITHM_SPECS[alg].max_steps_per_block is None:
             spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
         thr = p.threshold if p.threshold is not None else d.threshold
         return cls(gen, block, spb, thr if thr else None, remasking, cache_mode,

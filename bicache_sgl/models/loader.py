@@ -1,6 +1,7 @@
-"""Load a LLaDA / Dream checkpoint: local folder or Hugging Face hub id, single or sharded
-safetensors, tokenizer and chat template from the same folder, and the generation defaults of
-its ``generation_config.json`` (Dream ships its ``diffusion_generate`` settings there).
+"""Load a checkpoint of any registered family (``models/families/``): local folder or Hugging
+Face hub id, single or sharded safetensors, tokenizer and chat template from the same folder
+(else the family's fallback template), and the generation defaults of its
+``generation_config.json`` (Dream ships its ``diffusion_generate`` settings there).
 
 Every failure is a CheckpointError whose message names the file, key or tensor at fault.
 """
@@ -20,6 +21,7 @@ import torch
 
 from ..config import canonical_algorithm
 from .config import CheckpointError, ModelConfig, parse_model_config
+from .families import family_of
 from .model import DiffusionLM
 from .weights import checkpoint_names
 
@@ -370,4 +372,17 @@ def load_tokenizer(path: str, chat_template: str | None = None):
         tok.chat_template = Path(chat_template).read_text() if os.path.isfile(chat_template) else chat_template
     elif not getattr(tok, "chat_template", None) and (p / "chat_template.jinja").exists():
         tok.chat_template = (p / "chat_template.jinja").read_text()
+    elif not getattr(tok, "chat_template", None):
+        fallback = _family_chat_template(p)
+        if fallback is not None:
+            tok.chat_template = fallback
     return tok
+
+
+def _family_chat_template(folder: Path) -> str | None:
+    """The chat template the folder's model family declares for a tokenizer without one (None:
+    no config.json, one no family claims, or a family without a fallback)."""
+    try:
+        return family_of(read_config(str(folder))).chat_template
+    except CheckpointError:
+        return None

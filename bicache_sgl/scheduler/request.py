@@ -4,7 +4,7 @@ blocks, with in-request cache refreshes (``scheduler.factory.RequestFactory`` va
 requests and builds it). What callers submit and receive (GenerateRequest, RequestEvent) is in
 ``bicache_sgl.io_struct``.
 
-How each step's positions are unmasked is the algorithm family's denoiser
+How each step's positions are unmasked is the step schedule's denoiser
 (``bicache_sgl.decoding.denoiser``: LLaDA's schedule, Dream's); the logits a decision is made on,
 stop conditions, logprobs and text are ``decoding.sampling``, ``decoding.stop``,
 ``decoding.logprobs`` and ``decoding.text``; an output constraint is ``scheduler.structured``.
@@ -230,12 +230,13 @@ class Req:
     @property
     def greedy_threshold(self) -> bool:
         """Whether this step's decision is the plain greedy one that ``decoding.decide_greedy``
-        makes for many requests at once: a LLaDA-family threshold step at temperature 0 with no
+        makes for many requests at once: a threshold step of an algorithm whose spec allows it
+        (``AlgorithmSpec.batch_greedy``: ``low_confidence``) at temperature 0 with no
         filtering, bias, penalty, early ban, constraint, logprobs, guidance or audit (the
         server's default sampling). Its processed logits are then the forward's with the mask
         (and with ``ignore_eos`` the end ids) banned."""
-        p, d = self.params, self.denoiser
-        return (self.kind == "generate" and d.family == "llada" and self.plan.remasking == "low_confidence"
+        p = self.params
+        return (self.kind == "generate" and self.plan.spec.batch_greedy
                 and bool(self.plan.threshold) and p.temperature <= 0 and p.top_k <= 0 and p.top_p >= 1.0
                 and p.min_p <= 0 and not p.logit_bias and not self.logits_processor.penalized
                 and (p.ignore_eos or p.min_new_tokens <= 0) and self.structured is None

@@ -15,9 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import DecodeDefaults
-from ..decoding.plan import MAX_DREAM_STEPS, DecodePlan
+from ..decoding.plan import ANY_FAMILY, MAX_DREAM_STEPS, DecodePlan, FamilyDecoding
 from ..io_struct import GenerateRequest
 from ..models.config import ModelConfig
+from ..models.families import family_decoding
 from ..models.loader import GenerationDefaults, generation_defaults
 
 __all__ = ["MAX_DREAM_STEPS", "DecodePlan", "RequestLimits", "ValidRequest", "kv_lengths", "validate_request"]
@@ -33,11 +34,13 @@ class RequestLimits:
     decode: DecodeDefaults  # the server's decode defaults
     generation: GenerationDefaults  # the checkpoint's generation_config.json defaults
     kv_budget: int | None = None  # the scheduler's whole private-K/V budget (positions); None: unchecked
+    family: FamilyDecoding = ANY_FAMILY  # the checkpoint family's decoding (default and accepted algorithms)
 
     @classmethod
     def of(cls, mc: ModelConfig, decode: DecodeDefaults, context_length: int,
            kv_budget: int | None = None) -> RequestLimits:
-        return cls(mc.vocab_size, mc.n_layers, context_length, decode, generation_defaults(mc), kv_budget)
+        return cls(mc.vocab_size, mc.n_layers, context_length, decode, generation_defaults(mc), kv_budget,
+                   family_decoding(mc))
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,14 @@ def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidReque
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
     gen, ctx = limits.generation, limits.context_length
     params = greq.params.resolved(gen.sampling_defaults())
-    plan = DecodePlan.resolve(params, limits.decode, gen)
-    if plan.dream and plan.steps_per_block > MAX_DREAM_STEPS:
-        raise ValueError(f"steps: Dream's schedule ({plan.algorithm}) runs at most {MAX_DREAM_STEPS} steps per "
+    fam = limits.family
+    plan = DecodePlan.resolve(params, limits.decode, gen, fam)
+    if plan.algorithm not in fam.algorithms:
+        raise ValueError(f"dllm_algorithm: {plan.algorithm!r} is not an algorithm the loaded model's family "
+                         f"({fam.family}) runs; it runs {', '.join(fam.algorithms)}")
+    cap = plan.spec.max_steps_per_block
+    if cap is not None and plan.steps_per_block > cap:
+        raise ValueError(f"steps: the {plan.schedule} schedule ({plan.algorithm}) runs at most {cap} steps per "
                          f"block, got {plan.steps_per_block}")
     if len(ids) + params.max_new_tokens > ctx:
         raise ValueError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "

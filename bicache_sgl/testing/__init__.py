@@ -1,4 +1,5 @@
-"""Tiny random checkpoints in the real LLaDA / Dream formats, with a real byte-level tokenizer.
+"""Tiny random checkpoints in the real format of every registered model family
+(:data:`TINY_MAKERS`, keyed by family name), with a real byte-level tokenizer.
 
 Used by the tests and benchmarks (no model hub on CI machines). The files are exactly what the
 real checkpoints ship: config.json with the real keys, safetensors (single or sharded with
@@ -14,8 +15,7 @@ from typing import Any
 
 import torch
 
-from ..models.config import parse_model_config
-from ..models.weights import checkpoint_names
+from ..models.families import checkpoint_names, parse_model_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|eot_id|>", "<|mask|>", "<|start_header_id|>", "<|end_header_id|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
@@ -113,3 +113,7 @@ def make_tiny_dream(folder: str | Path, *, n_layers: int = 4, hidden_size: int =
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     _write_weights(folder, cfg, seed, shards, std)
     return str(folder)
+
+
+# family name (models.families.FAMILIES) -> its tiny maker: maker(folder, **kw) -> folder
+TINY_MAKERS = {"llada": make_tiny_llada, "dream": make_tiny_dream}
