@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ class BlockParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    stop_ids: tuple[int, ...] | None = None  # ids that end the answer (None: the model's EOS ids)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -117,6 +118,8 @@ class BlockEngine:
         self.running: list[_Req] = []
         self.done: dict[int, BlockResult] = {}
         self._rids = itertools.count()
+        # called with (rid, generated tokens so far) each time a request finishes a block
+        self.on_block: Callable[[int, list[int]], None] | None = None
         w = model.embed.weight
         self.dtype, self.device = w.dtype, w.device
 
@@ -197,7 +200,9 @@ class BlockEngine:
         P = len(r.prompt)
         r.finished_blocks.append(r.x[max(a, P):b].tolist())
         gen = r.x[P:b]
-        eos = torch.tensor(self.cfg.eos_token_ids)
+        if self.on_block is not None:
+            self.on_block(r.rid, gen.tolist())
+        eos = torch.tensor(self._stop_ids(r), dtype=torch.long)
         if bool(torch.isin(gen, eos).any()) or r.block + 1 == r.layout.num_blocks:
             return True
         r.block += 1
@@ -211,16 +216,48 @@ class BlockEngine:
             # committed blocks (their tokens and K/V are final)
             n = r.kv.committed if self.options.cache_output else min(r.kv.committed, (P // self.B) * self.B)
             self.cache.insert(r.x.tolist(), n, r.kv.k, r.kv.v)
-        tokens = cut_answer(r.x[P:].tolist(), r.params.max_new_tokens, self.cfg.eos_token_ids)
+        stop = self._stop_ids(r)
+        tokens = cut_answer(r.x[P:].tolist(), r.params.max_new_tokens, stop)
         L = self.cfg.n_layers
         meta = {
             "prompt_tokens": P, "completion_tokens": len(tokens), "cached_tokens": r.reused,
             "bicache_depth": L if r.reused else 0, "reused_span": [0, r.reused], "block_length": self.B,
             "reuse_rule": "exact-block", "forwards": r.forwards, "computed_rows": r.computed_rows,
-            "finish_reason": "stop" if tokens and tokens[-1] in self.cfg.eos_token_ids else "length",
+            "finish_reason": "stop" if tokens and tokens[-1] in stop else "length",
         }
         r.kv = None  # free the buffer
         return BlockResult(r.rid, tokens, meta)
+
+    def _stop_ids(self, r: _Req) -> tuple[int, ...]:
+        return self.cfg.eos_token_ids if r.params.stop_ids is None else r.params.stop_ids
+
+    def abort(self, rid: int) -> bool:
+        """Drop a waiting or running request (no result); True when it was found."""
+        for q in (self.waiting, self.running):
+            for r in list(q):
+                if r.rid == rid:
+                    q.remove(r)
+                    r.kv = None
+                    return True
+        return False
+
+    def finish_now(self, rid: int) -> BlockResult | None:
+        """End a running request at its committed state (a stop string matched): its committed
+        blocks are cached as usual; returns its result (None when not running)."""
+        for r in self.running:
+            if r.rid == rid:
+                self.running.remove(r)
+                res = self._finish(r)
+                return res
+        return None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def run(self, prompts: Iterable[Sequence[int]], params: BlockParams | Sequence[BlockParams] = BlockParams()
             ) -> list[BlockResult]:
