@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CheckpointError
+from .spec import CheckpointError
 
 LLADA2_ARCHS = ("LLaDA2MoeModelLM",)
 SDAR_ARCHS = ("SDARForCausalLM", "SDARModel")

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from ..attention.block_causal import block_causal_attention
 from .block_config import BlockModelConfig, block_checkpoint_names, parse_block_config
-from .config import CheckpointError
 from .model import RMSNorm
+from .spec import CheckpointError
 
 
 class DenseMLP(nn.Module):
