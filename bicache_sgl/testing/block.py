@@ -66,7 +66,7 @@ def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int 
         "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_act": "silu",
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 600000, "rope_scaling": None,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 600000,
         "partial_rotary_factor": partial_rotary_factor, "use_qk_norm": True, "use_qkv_bias": False,
         "use_bias": False, "norm_head": False, "tie_word_embeddings": False, "vocab_size": vocab,
         "num_experts": num_experts, "num_experts_per_tok": experts_per_tok, "n_group": n_group,
