@@ -95,5 +95,7 @@ def memory_rows(bundled_path: str, device: torch.device) -> list[Row]:
     policy = make_policy(ec.prefix_cache, cfg.n_layers, find_profile(bundled_path, None, cfg.n_layers))
     depth = policy.max_node_depth
     big = parse_model_config(LLADA_8B_CONFIG, "LLaDA-8B shape")
+    from .block_sizing import block_memory_rows
     return [memory_row("bundled model", cfg, device, depth, f"{ec.prefix_cache} nodes hold <= {depth} layers"),
-            memory_row("LLaDA-8B shape (no weights)", big, device, big.n_layers, f"full depth {big.n_layers}")]
+            memory_row("LLaDA-8B shape (no weights)", big, device, big.n_layers, f"full depth {big.n_layers}"),
+            *block_memory_rows(device)]
