@@ -177,6 +177,10 @@ class BlockEngine:
             r.forwards += 1
             r.computed_rows += int(w.ids.shape[0])
             r.kv.committed = r.block * self.B  # every row before the current block is final now
+            if r.forwards == 1 and self.options.prefix_cache and r.kv.committed > r.reused:
+                # the prompt's whole blocks are final after the first forward: cache them now, so
+                # requests admitted later share them while this one still decodes
+                self.cache.insert(r.prompt, min(r.kv.committed, (len(r.prompt) // self.B) * self.B), r.kv.k, r.kv.v)
             if self._apply(r, lg):
                 finished.append(r)
         for r in finished:

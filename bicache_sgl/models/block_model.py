@@ -96,18 +96,21 @@ class MoE(nn.Module):
         token_of = order // k  # [T * k] token of each sorted (token, slot)
         w_sorted = w.reshape(-1).index_select(0, order)
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        # each (token, slot)'s weighted expert output, in expert-sorted order, then scattered back
+        # to token-major order with one row copy and summed over the k slots (a fixed order per
+        # token, whatever else is in the batch)
+        ys = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
         ff = self.cfg.moe_intermediate_size
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = token_of[start:start + n]
-            xs = x.index_select(0, rows)
+            xs = x.index_select(0, token_of[start:start + n])
             gu = F.linear(xs, self.w_gate_up[e])
             y = F.linear(F.silu(gu[:, :ff]) * gu[:, ff:], self.w_down[e])
-            out.index_add_(0, rows, y.float() * w_sorted[start:start + n, None])
+            ys[start:start + n] = y.float() * w_sorted[start:start + n, None]
             start += n
+        out = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, -1).sum(1)
         y = out.to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(x)
