@@ -279,3 +279,18 @@ def test_multi_turn_reuses_the_answer_blocks(folders, name):
     assert r2.tokens == off.run([second], BlockParams(max_new_tokens=5))[0].tokens
     assert r2.meta["cached_tokens"] > len(first)  # answer blocks came from the cache
     assert r2.meta["computed_rows"] < off.run([second], BlockParams(max_new_tokens=5))[0].meta["computed_rows"]
+
+
+@pytest.mark.parametrize("shared", [8, 9, 11, 12])
+def test_reused_span_is_the_shared_whole_blocks(folders, shared):
+    """Two prompts sharing their first ``shared`` tokens: the second reuses floor(shared / B) * B
+    of them (a partial shared block is recomputed), at depth L, and answers as cache off."""
+    on, off = _engine_pair(folders["llada2"])
+    on.flush_cache()
+    base = _ids(16, 31)
+    a = base[:shared] + _ids(5, 32)
+    b = base[:shared] + [(t + 1) % 256 for t in _ids(5, 33)]
+    on.run([a], BlockParams(max_new_tokens=4))
+    r = on.run([b], BlockParams(max_new_tokens=4))[0]
+    assert r.meta["cached_tokens"] == (shared // B) * B and r.meta["bicache_depth"] == on.cfg.n_layers
+    assert r.tokens == off.run([b], BlockParams(max_new_tokens=4))[0].tokens
