@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
@@ -78,6 +78,11 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
     if cfg.prefix_cache not in ("off", "bicache"):
         raise ValueError(f"--prefix-cache {cfg.prefix_cache}: {family} takes off or bicache (exact whole-block "
                          "reuse)")
+    d, dd = cfg.decode, DecodeDefaults()
+    for name in ("cache_mode", "refresh_interval", "step_rows", "dllm_algorithm", "dllm_eps", "dllm_alg_temp"):
+        if getattr(d, name) != getattr(dd, name):
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: it decodes with its published "
+                             "per-block rule and its exact block K/V cache")
     if cfg.attention_backend not in ("torch", "torch_native", "sdpa"):
         raise ValueError(f"--attention-backend {cfg.attention_backend}: the block-causal engine of {family} runs "
                          "the torch backend")
@@ -112,9 +117,16 @@ class BlockEngineClient:
             dtype = DTYPE_MAP[config.dtype]
         else:
             raise ValueError(f"--dtype {config.dtype!r}: choose auto or one of {sorted(DTYPE_MAP)}")
-        self.model = load_block_model(self.model_path, dtype=dtype, device=device)
+        dd = DecodeDefaults()
+        d = config.decode
+        # the server's decode flags apply when set away from their (bidirectional engine's)
+        # defaults; the checkpoint's published defaults otherwise
+        self.model = load_block_model(self.model_path, dtype=dtype, device=device,
+                                      block_length=d.block_length if d.block_length != dd.block_length else None)
         self.model_config = cfg = self.model.cfg
         check_engine_flags(config, cfg.family)
+        self.default_threshold = d.threshold if d.threshold != dd.threshold else None
+        self.default_steps = d.steps_per_block
         self.tokenizer = load_tokenizer(config.tokenizer_path or self.model_path, config.chat_template)
         self.eos_ids = tuple(cfg.eos_token_ids)
         self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -223,7 +235,9 @@ class BlockEngineClient:
     def _params(self, p: SamplingParams) -> BlockParams:
         temperature = p.temperature if p.temperature is not None else 0.0
         end_ids = tuple(sorted(set(() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)))
-        return BlockParams(max_new_tokens=p.max_new_tokens, steps=p.steps_per_block, threshold=p.threshold,
+        steps = p.steps_per_block if p.steps_per_block is not None else self.default_steps
+        threshold = p.threshold if p.threshold is not None else self.default_threshold
+        return BlockParams(max_new_tokens=p.max_new_tokens, steps=steps, threshold=threshold,
                            temperature=float(temperature), top_k=p.top_k if p.top_k > 0 else None,
                            top_p=p.top_p, seed=p.seed, stop_ids=end_ids)
 
