@@ -83,9 +83,9 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
         if getattr(d, name) != getattr(dd, name):
             raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: it decodes with its published "
                              "per-block rule and its exact block K/V cache")
-    if cfg.attention_backend not in ("torch", "torch_native", "sdpa"):
+    if cfg.attention_backend not in ("torch", "torch_native", "sdpa", "flashinfer"):
         raise ValueError(f"--attention-backend {cfg.attention_backend}: the block-causal engine of {family} runs "
-                         "the torch backend")
+                         "torch or flashinfer")
 
 
 @dataclasses.dataclass
@@ -125,6 +125,8 @@ class BlockEngineClient:
                                       block_length=d.block_length if d.block_length != dd.block_length else None)
         self.model_config = cfg = self.model.cfg
         check_engine_flags(config, cfg.family)
+        if config.attention_backend == "flashinfer":
+            self._use_flashinfer(device, dtype)
         self.default_threshold = d.threshold if d.threshold != dd.threshold else None
         self.default_steps = d.steps_per_block
         self.tokenizer = load_tokenizer(config.tokenizer_path or self.model_path, config.chat_template)
@@ -148,6 +150,24 @@ class BlockEngineClient:
         self._thread.start()
         log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s)", self.model_path,
                  cfg.family, B, cfg.n_layers, "exact whole blocks" if config.prefix_cache != "off" else "off")
+
+    def _use_flashinfer(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Block-causal attention on FlashInfer (CUDA); kernels that do not take this model's dtype
+        or head dim fall back to torch with one warning, as the bidirectional engine does."""
+        from ..attention.flashinfer_backend import unsupported_reason
+        if device.type != "cuda":
+            raise ValueError(f"--attention-backend flashinfer needs a CUDA device; this engine runs on {device}")
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError as e:
+            raise ValueError("--attention-backend flashinfer needs the flashinfer-python package: "
+                             "pip install 'bicache-sgl[cuda]'") from e
+        reason = unsupported_reason(dtype, self.model_config.head_dim)
+        if reason is not None:
+            log.warning("attention backend 'flashinfer' does not support %s; using the torch backend", reason)
+            return
+        from ..attention.block_flashinfer import block_causal_attention_flashinfer
+        self.model.attention = block_causal_attention_flashinfer
 
     # ---- EngineClient ---------------------------------------------------------------------------
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
