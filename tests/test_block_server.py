@@ -62,6 +62,22 @@ def test_generate_equals_the_offline_engine_and_reuse_is_exact(server):
     assert r2["meta_info"]["cached_tokens"] % B == 0
 
 
+def test_info_metrics_and_flush_routes(server):
+    rt, _ = server
+    url = _url(rt)
+    info = http_json(f"{url}/get_model_info")
+    assert info["model_type"] == "llada2" and info["n_layers"] == 3
+    stats = http_json(f"{url}/get_server_info")
+    assert "block_prefix_cache_blocks" in json.dumps(stats)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        assert r.status == 200
+    req = urllib.request.Request(f"{url}/flush_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    again = http_json(f"{url}/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert again["meta_info"]["cached_tokens"] == 0  # the flush emptied the block cache
+
+
 def test_streaming_emits_blocks_and_ends_with_the_full_answer(server):
     rt, _ = server
     url = _url(rt)
