@@ -45,6 +45,14 @@ def build_engine(args: ServerArgs) -> EngineClient:
     cfg = args.engine_config()
     if cfg.num_threads is None:
         cfg = cfg.replace(num_threads=default_engine_threads())
+    if cfg.model_path is not None:
+        # block-diffusion checkpoints (LLaDA2.x, SDAR) are served by their own engine, in process
+        from bicache_sgl.blockdiff.client import BlockEngineClient, is_block_checkpoint
+        from bicache_sgl.models.loader import resolve_model_path
+        if is_block_checkpoint(resolve_model_path(cfg.model_path)):
+            import torch
+            torch.set_num_threads(cfg.num_threads)
+            return BlockEngineClient(cfg)
     if args.engine_in_process:
         from bicache_sgl import Engine
 

@@ -219,3 +219,141 @@ def reference_logits(m: dict, ids: Sequence[int]) -> torch.Tensor:
     if m["shift"]:
         out = torch.cat([out[:1], out[:-1]], dim=0)
     return out
+
+
+# ---- block-diffusion families (LLaDA2.x MoE, SDAR) ------------------------------------------------
+# Own names, own routing, own rotary: nothing here comes from bicache_sgl.models.
+
+
+def load_block_reference(folder: str | Path) -> dict[str, Any]:
+    """A LLaDA2 (LLaDA2MoeModelLM) or SDAR (SDARForCausalLM) checkpoint in float64 plain dicts:
+    ``family``, sizes, ``rd`` (rotated dims per head), ``emb``, ``lnf``, ``head`` and per layer
+    ``an``/``fn`` norms, ``q``/``k``/``v``/``o`` projections, ``qn``/``kn`` (QK-norm) and either a
+    dense ``mlp`` (g, u, d) or ``moe`` (router ``r``, ``bias``, ``experts`` [(g, u, d)], ``shared``)."""
+    from safetensors.torch import load_file
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        sd.update({k: v.double() for k, v in load_file(str(f)).items()})
+    llada2 = cfg.get("model_type") == "llada2_moe"
+    H, D = cfg["num_attention_heads"], cfg["hidden_size"]
+    hd = cfg.get("head_dim") or D // H
+    Hkv = cfg.get("num_key_value_heads") or H
+    m: dict[str, Any] = {
+        "family": "llada2" if llada2 else "sdar", "L": cfg["num_hidden_layers"], "H": H, "Hkv": Hkv, "hd": hd,
+        "eps": cfg["rms_norm_eps"], "theta": float(cfg["rope_theta"]),
+        "rd": int(hd * cfg.get("partial_rotary_factor", 1.0)) if llada2 else hd,
+        "emb": sd["model.word_embeddings.weight" if llada2 else "model.embed_tokens.weight"],
+        "lnf": sd["model.norm.weight"], "head": sd["lm_head.weight"], "layers": []}
+    for i in range(m["L"]):
+        p = f"model.layers.{i}."
+        w: dict[str, Any] = {"an": sd[p + "input_layernorm.weight"], "fn": sd[p + "post_attention_layernorm.weight"]}
+        if llada2:
+            qkv = sd[p + "attention.query_key_value.weight"]
+            w["q"], w["k"], w["v"] = qkv[:H * hd], qkv[H * hd:(H + Hkv) * hd], qkv[(H + Hkv) * hd:]
+            w["o"] = sd[p + "attention.dense.weight"]
+            w["qn"] = sd.get(p + "attention.query_layernorm.weight")
+            w["kn"] = sd.get(p + "attention.key_layernorm.weight")
+        else:
+            for part in "qkvo":
+                w[part] = sd[f"{p}self_attn.{part}_proj.weight"]
+            w["qn"], w["kn"] = sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"]
+        if llada2 and cfg.get("num_experts") and i >= cfg.get("first_k_dense_replace", 0):
+            E = cfg["num_experts"]
+            mp = p + "mlp."
+            w["moe"] = {
+                "r": sd[mp + "gate.weight"], "bias": sd.get(mp + "gate.expert_bias"),
+                "experts": [tuple(sd[f"{mp}experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+                            for e in range(E)],
+                "shared": tuple(sd[f"{mp}shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
+                if cfg.get("num_shared_experts") else None,
+                "k": cfg["num_experts_per_tok"], "groups": cfg.get("n_group", 1), "keep": cfg.get("topk_group", 1),
+                "scale": float(cfg.get("routed_scaling_factor", 1.0)), "score": cfg.get("score_function", "sigmoid"),
+                "renorm": cfg.get("norm_topk_prob", True)}
+        else:
+            w["mlp"] = tuple(sd[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        m["layers"].append(w)
+    return m
+
+
+def _ref_rope_partial(x: torch.Tensor, pos: torch.Tensor, theta: float, rd: int) -> torch.Tensor:
+    """Rotate dims [0, rd) of each head as pairs (j, j + rd/2) by pos * theta^(-2j/rd); the rest
+    unchanged."""
+    half = rd // 2
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / rd)
+    ang = pos.double()[:, None] * freq[None]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    a, b = x[..., :half], x[..., half:rd]
+    return torch.cat([a * c - b * s, b * c + a * s, x[..., rd:]], dim=-1)
+
+
+def _ref_swiglu(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    a = x @ g.T
+    return (a * torch.sigmoid(a) * (x @ u.T)) @ d.T
+
+
+def _ref_moe_token(mo: dict, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """One token's MoE output and the experts it chose (written per token, on purpose)."""
+    logits = mo["r"] @ x
+    E, G = logits.shape[0], mo["groups"]
+    per = E // G
+    if mo["score"] == "sigmoid":
+        score = 1.0 / (1.0 + torch.exp(-logits))
+        pick = score + (mo["bias"] if mo["bias"] is not None else 0.0)
+        gscore = [sorted(pick[g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(G)]
+        gscore = [sum(v) for v in gscore]
+    else:
+        score = torch.exp(logits - logits.max())
+        score = score / score.sum()
+        pick = score
+        gscore = [max(pick[g * per:(g + 1) * per].tolist()) for g in range(G)]
+    groups = sorted(range(G), key=lambda g: -gscore[g])[:mo["keep"]]
+    eligible = [e for e in range(E) if e // per in groups]
+    chosen = sorted(eligible, key=lambda e: -float(pick[e]))[:mo["k"]]
+    wts = [float(score[e]) for e in chosen]
+    if mo["renorm"] and mo["k"] > 1:
+        tot = sum(wts) + 1e-20
+        wts = [v / tot for v in wts]
+    out = torch.zeros_like(x)
+    for e, wt in zip(chosen, wts):
+        out = out + mo["scale"] * wt * _ref_swiglu(x[None], *mo["experts"][e])[0]
+    if mo["shared"] is not None:
+        out = out + _ref_swiglu(x[None], *mo["shared"])[0]
+    return out, chosen
+
+
+def reference_block_logits(m: dict, ids: Sequence[int], block_length: int,
+                           routes: list | None = None) -> torch.Tensor:
+    """Logits [N, V] (float64, unshifted) of the whole sequence with block-causal attention: the
+    query at position i sees key j iff j // block_length <= i // block_length. ``routes``, when a
+    list, receives (layer, position, chosen experts) of every MoE token."""
+    N = len(ids)
+    pos = torch.arange(N)
+    x = m["emb"][torch.tensor(list(ids))].clone()
+    H, Hkv, hd = m["H"], m["Hkv"], m["hd"]
+    allowed = (pos[None, :] // block_length) <= (pos[:, None] // block_length)  # [N, N] fine here: tiny
+    for li, w in enumerate(m["layers"]):
+        hn = _rms(x, w["an"], m["eps"])
+        q, k, v = (hn @ w["q"].T).view(N, H, hd), (hn @ w["k"].T).view(N, Hkv, hd), (hn @ w["v"].T).view(N, Hkv, hd)
+        if w["qn"] is not None:
+            q, k = _rms(q, w["qn"], m["eps"]), _rms(k, w["kn"], m["eps"])
+        q, k = _ref_rope_partial(q, pos, m["theta"], m["rd"]), _ref_rope_partial(k, pos, m["theta"], m["rd"])
+        heads = []
+        for h in range(H):
+            kh, vh = k[:, h // (H // Hkv)], v[:, h // (H // Hkv)]
+            s = (q[:, h] @ kh.T) / math.sqrt(hd)
+            s = s.masked_fill(~allowed, float("-inf"))
+            heads.append(torch.softmax(s, dim=-1) @ vh)
+        x = x + torch.cat(heads, dim=-1) @ w["o"].T
+        hn = _rms(x, w["fn"], m["eps"])
+        if "moe" in w:
+            rows = []
+            for i in range(N):
+                y, chosen = _ref_moe_token(w["moe"], hn[i])
+                rows.append(y)
+                if routes is not None:
+                    routes.append((li, i, tuple(chosen)))
+            x = x + torch.stack(rows)
+        else:
+            x = x + _ref_swiglu(hn, *w["mlp"])
+    return _rms(x, m["lnf"], m["eps"]) @ m["head"].T

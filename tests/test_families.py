@@ -12,10 +12,11 @@ import torch
 from bicache_sgl.config import ALGORITHMS, DecodeDefaults, SamplingParams
 from bicache_sgl.decoding.plan import ALGORITHM_SPECS, DecodePlan, FamilyDecoding
 from bicache_sgl.io_struct import GenerateRequest
+from bicache_sgl.models.block_model import load_block_model
 from bicache_sgl.models.config import CheckpointError, detect_arch
 from bicache_sgl.models.families import FAMILIES, checkpoint_names, family_of, parse_model_config
 from bicache_sgl.models.loader import load_model, read_config
-from bicache_sgl.reference import load_reference_model, reference_logits
+from bicache_sgl.reference import load_block_reference, load_reference_model, reference_block_logits, reference_logits
 from bicache_sgl.scheduler.validate import RequestLimits, validate_request
 from bicache_sgl.testing import TINY_MAKERS
 
@@ -28,6 +29,11 @@ def tiny_of_each(tmp_path_factory) -> dict[str, str]:
     return {name: TINY_MAKERS[name](base / name, n_layers=2) for name in FAMILIES}
 
 
+def _is_block(name: str) -> bool:
+    """Block-causal families (exact prefix reuse) run on the block-diffusion runtime."""
+    return FAMILIES[name].prefix_reuse == "exact"
+
+
 def test_every_family_has_a_tiny_maker_in_its_own_format(tiny_of_each):
     assert set(TINY_MAKERS) == set(FAMILIES)
     for name, folder in tiny_of_each.items():
@@ -35,6 +41,22 @@ def test_every_family_has_a_tiny_maker_in_its_own_format(tiny_of_each):
         assert family_of(cfg).name == name
         mc = parse_model_config(cfg)
         assert mc.arch == name
+        if _is_block(name):
+            # the block runtime stacks experts and fuses q/k/v: every named tensor is in the files,
+            # and the strict load takes them all
+            from pathlib import Path
+
+            from safetensors import safe_open
+            stored = set()
+            for f in Path(folder).glob("*.safetensors"):
+                with safe_open(str(f), "pt") as sf:
+                    stored |= set(sf.keys())
+            assert {ck for ck, _ in checkpoint_names(mc).values()} == stored
+            assert mc.attention == "block_causal"
+            with pytest.raises(CheckpointError, match="block-diffusion engine"):
+                load_model(folder, "float32")
+            load_block_model(folder)
+            continue
         assert set(checkpoint_names(mc)) == {n for n, _ in load_model(folder, "float32")[0].named_parameters()}
 
 
@@ -42,6 +64,12 @@ def test_the_reference_covers_every_family(tiny_of_each):
     """reference.py keeps its own maps per family (no code shared): each registered family's
     tiny checkpoint is read by it and its logits equal the runtime's dense forward."""
     for name, folder in tiny_of_each.items():
+        if _is_block(name):
+            model = load_block_model(folder)
+            ref = reference_block_logits(load_block_reference(folder), IDS, model.cfg.decode.block_length).float()
+            ours = model.forward_dense(torch.tensor(IDS))
+            assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5), (name, (ours - ref).abs().max())
+            continue
         model, cfg = load_model(folder, "float32")
         ref = reference_logits(load_reference_model(folder), IDS).float()
         ours = model.forward_dense(torch.tensor(IDS))

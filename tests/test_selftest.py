@@ -30,7 +30,10 @@ from bicache_sgl.selftest.report import FAIL, PASS, exit_status, format_table
 CPU = torch.device("cpu")
 EXACTNESS_ROWS = ("depth 0 == cache off", "batched == alone (mixed depths)",
                   "depth-d forward vs float64 (bundled LLaDA)", "depth-d forward vs float64 (random Dream, GQA)",
-                  "depth-d forward vs float64 (random LLaDA-MoE, 8 experts top-2)")
+                  "depth-d forward vs float64 (random LLaDA-MoE, 8 experts top-2)",
+                  "block-causal forward vs float64 (random LLaDA2, MoE)",
+                  "block-causal forward vs float64 (random SDAR)",
+                  "exact block reuse == cache off (random LLaDA2, MoE)")
 
 
 def test_selftest_command_on_cpu_passes_and_prints_every_row():
@@ -65,7 +68,9 @@ def test_selftest_command_on_cpu_passes_and_prints_every_row():
         assert "output tok/s" in row(mode)
     ratio = row("bicache / off").split("info", 1)[1].split()[0]
     assert ratio.endswith("x") and float(ratio[:-1]) > 0
-    assert "selftest: OK: 5 passed, 0 failed, 1 skipped" in out
+    assert "K/V 81,920 B/token (20 layers)" in row("sizing: LLaDA2.0-mini shape (no weights)")
+    assert "K/V 294,912 B/token (36 layers)" in row("sizing: SDAR-8B shape (no weights)")
+    assert "selftest: OK: 8 passed, 0 failed, 1 skipped" in out
 
 
 class StaleLayerAttention(TorchAttention):

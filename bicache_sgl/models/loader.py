@@ -269,6 +269,9 @@ def pick_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu") -> tuple[DiffusionLM, ModelConfig]:
     """Build the model for a resolved checkpoint folder and load its weights (validated)."""
     cfg = load_model_config(path)
+    if cfg.attention != "bidirectional":
+        raise CheckpointError(f"{path} is a {cfg.arch} checkpoint ({cfg.attention} attention): it is served by the "
+                              "block-diffusion engine (bicache_sgl.blockdiff, which launch_server picks), not here")
     dev = torch.device(device)
     tdtype = pick_dtype(dtype, cfg, dev)
     sd = load_state_dict(path, cfg, tdtype)

@@ -16,7 +16,9 @@ class CheckpointError(ValueError):
 
 # Which keys a position's queries attend to. "bidirectional": every key of its sequence (LLaDA,
 # Dream, LLaDA-MoE: masked diffusion over the whole sequence).
-ATTENTION_PATTERNS = ("bidirectional",)
+# "block_causal": blocks of a fixed length from position 0; a position sees its own block and the
+# blocks before it (LLaDA2.x, SDAR: served by bicache_sgl/blockdiff, not the bidirectional runtime).
+ATTENTION_PATTERNS = ("bidirectional", "block_causal")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..engine.engine import Engine
 from ..engine.model_runner import pick_device
 from ..models.loader import default_model_path, load_model_config
 from ..testing import make_tiny_dream, make_tiny_llada_moe
+from ..testing.block import make_tiny_llada2, make_tiny_sdar
 from .battery import (
     ENGINE_DECODE,
     SECTION,
@@ -29,6 +30,7 @@ from .battery import (
     check_flashinfer,
     fewshot_workload,
 )
+from .block_checks import check_block_forward, check_block_reuse
 from .probe import throughput_rows
 from .report import FAIL, Row, exit_status, format_table, summary
 from .sizing import memory_rows
@@ -143,6 +145,13 @@ def run(args: argparse.Namespace) -> list[Row]:
                               (moe, "random LLaDA-MoE, 8 experts top-2")):
             rows += guarded(SECTION, f"depth-d forward vs float64 ({label})",
                             lambda f=folder, la=label: depth_row(f, la))
+        llada2 = make_tiny_llada2(f"{tmp}/llada2", block_length=4)
+        sdar = make_tiny_sdar(f"{tmp}/sdar", block_length=4)
+        for folder, label in ((llada2, "random LLaDA2, MoE"), (sdar, "random SDAR")):
+            rows += guarded(SECTION, f"block-causal forward vs float64 ({label})",
+                            lambda f=folder, la=label: check_block_forward(f, la, dev))
+        rows += guarded(SECTION, "exact block reuse == cache off",
+                        lambda: check_block_reuse(llada2, "random LLaDA2, MoE", dev))
     rows += guarded(SECTION, "flashinfer == torch backend", lambda: check_flashinfer(dev))
     rows += memory
     serving = engine_factory(dev, args.attention_backend, args.num_threads)

@@ -163,4 +163,7 @@ def make_tiny_llada_moe(folder: str | Path, *, n_layers: int = 4, hidden_size: i
 
 
 # family name (models.families.FAMILIES) -> its tiny maker: maker(folder, **kw) -> folder
-TINY_MAKERS = {"llada": make_tiny_llada, "dream": make_tiny_dream, "llada_moe": make_tiny_llada_moe}
+from .block import make_tiny_llada2, make_tiny_sdar  # noqa: E402 (it imports this module's tokenizer helpers)
+
+TINY_MAKERS = {"llada": make_tiny_llada, "dream": make_tiny_dream, "llada_moe": make_tiny_llada_moe,
+               "llada2": make_tiny_llada2, "sdar": make_tiny_sdar}

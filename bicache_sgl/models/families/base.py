@@ -24,7 +24,9 @@ TensorMap = dict[str, tuple[str, tuple[int, ...]]]
 # What reusing a cached prefix means for a family's attention pattern (docs/prefix_cache.md):
 # "bicache": bidirectional attention, so a cached row was computed without the request's suffix
 # and reusing it is an approximation, allowed up to the depth the r -> depth profile says.
-PREFIX_REUSE = ("bicache",)
+# "exact": block-causal attention (LLaDA2.x, SDAR), so a cached whole block is exact in every
+# later context with the same blocks before it: reused at full depth, no profile.
+PREFIX_REUSE = ("bicache", "exact")
 # special tokens that end a turn in the chat formats of LLaDA, Dream and the bundled model: the
 # engine stops a generation at any of them present in the vocabulary (with config.json's EOS ids)
 END_OF_TURN = ("<|eot_id|>", "<|endoftext|>", "<|im_end|>")

@@ -1,0 +1,20 @@
+"""LLaDA2.x (inclusionAI LLaDA2.0-mini / -flash, LLaDA2.1-mini): ``LLaDA2MoeModelLM``, model_type
+``llada2_moe``. Block-causal attention (blocks from position 0), fused query_key_value, QK-norm,
+partial rotary; MoE FFN with sigmoid scores + expert bias, grouped top-k, shared experts and a
+routed scaling factor after ``first_k_dense_replace`` dense layers. Served by the block-diffusion
+engine (``bicache_sgl/blockdiff``) with its published per-block threshold decoding; prefix reuse
+is exact (whole blocks, full depth). docs/block_diffusion.md.
+"""
+
+from __future__ import annotations
+
+from ...decoding.plan import FamilyDecoding
+from ..block_config import LLADA2_ARCHS
+from . import _block
+from .base import Family
+
+NAME = "llada2"
+
+FAMILY = Family(name=NAME, architectures=LLADA2_ARCHS, model_types=("llada2_moe",), parse=_block.parse,
+                tensor_names=_block.tensor_names, decoding=FamilyDecoding(NAME, "low_confidence", ("low_confidence",)),
+                prefix_reuse="exact")

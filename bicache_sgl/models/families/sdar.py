@@ -1,0 +1,19 @@
+"""SDAR (JetAstra SDAR-1.7B/4B/8B-Chat, ...): ``SDARForCausalLM``, model_type ``sdar``. A
+Qwen3-style dense stack (separate q/k/v/o, QK-norm, full rotary, SwiGLU) trained for block
+diffusion: block-causal attention, decoded block by block with its published
+low_confidence_dynamic threshold rule. Served by the block-diffusion engine; prefix reuse is
+exact. docs/block_diffusion.md.
+"""
+
+from __future__ import annotations
+
+from ...decoding.plan import FamilyDecoding
+from ..block_config import SDAR_ARCHS
+from . import _block
+from .base import Family
+
+NAME = "sdar"
+
+FAMILY = Family(name=NAME, architectures=SDAR_ARCHS, model_types=("sdar",), parse=_block.parse,
+                tensor_names=_block.tensor_names, decoding=FamilyDecoding(NAME, "low_confidence", ("low_confidence",)),
+                prefix_reuse="exact")

@@ -1,0 +1,98 @@
+"""Independent re-statements of the published block-diffusion generate loops, for the
+token-for-token tests: LLaDA2's ``generate`` (its modeling file) and SDAR's
+``block_diffusion_generate`` (its generate.py), greedy branch, written from their descriptions
+(docs/block_diffusion.md) over any ``logits_fn(ids) -> [N, V]`` of the whole window (the
+published loops run the full window every step, with no K/V cache; the tests pass the float64
+reference forward, so nothing here touches the serving code)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+LogitsFn = Callable[[list[int]], torch.Tensor]
+
+
+def _steps_plan(block_length: int, steps: int) -> list[int]:
+    per = [block_length // steps] * steps
+    for s in range(block_length % steps):
+        per[s] += 1
+    return per
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.double(), dim=-1)
+    tok = logits.argmax(dim=-1)
+    return tok, probs[torch.arange(len(tok)), tok]
+
+
+def llada2_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, eos_id: int, gen_length: int,
+                    block_length: int = 32, steps: int = 32, threshold: float = 0.95, minimal_topk: int = 1
+                    ) -> list[int]:
+    """LLaDA2's generate(), temperature 0, eos_early_stop False: returns the generated tokens up
+    to and including the first eos (at most gen_length)."""
+    steps = min(steps, gen_length // minimal_topk)
+    P = len(prompt)
+    n_blocks = -(-(P + gen_length) // block_length)
+    x = list(prompt) + [mask_id] * (n_blocks * block_length - P)
+    plan = _steps_plan(block_length, steps)
+    for blk in range(P // block_length, n_blocks):
+        end = (blk + 1) * block_length
+        for s in range(steps):
+            window = x[:end]
+            active = [i for i in range(end - block_length, end) if window[i] == mask_id]
+            if not active:
+                break
+            tok, p = _greedy(logits_fn(window)[end - block_length:end])
+            conf = {i: float(p[i - (end - block_length)]) for i in active}
+            high = [i for i in active if conf[i] > threshold]
+            if len(high) >= plan[s]:
+                pick = high
+            else:
+                pick = sorted(active, key=lambda i: -conf[i])[:min(plan[s], len(active))]
+            for i in pick:
+                x[i] = int(tok[i - (end - block_length)])
+        if eos_id in x[P:end]:
+            break
+    out = []
+    for t in x[P:P + gen_length]:
+        out.append(t)
+        if t == eos_id:
+            break
+    return out
+
+
+def sdar_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, stop_ids: Sequence[int],
+                  gen_length: int, block_length: int = 4, denoising_steps: int = 4,
+                  confidence_threshold: float = 0.85) -> list[int]:
+    """SDAR's block_diffusion_generate(), greedy, low_confidence_dynamic. It returns the whole
+    window; the answer here is its generated part up to and including the first stop id (at most
+    gen_length), which is what a server returns."""
+    P = len(prompt)
+    n_blocks = -(-(P + gen_length) // block_length)
+    x = list(prompt) + [mask_id] * (n_blocks * block_length - P)
+    plan = _steps_plan(block_length, denoising_steps)
+    for blk in range(P // block_length, n_blocks):
+        a, end = blk * block_length, (blk + 1) * block_length
+        for s in range(denoising_steps + 1):
+            masked = [i for i in range(a, end) if x[i] == mask_id]
+            if not masked:
+                break
+            tok, p = _greedy(logits_fn(x[:end])[a:end])
+            conf = [float(p[i - a]) if x[i] == mask_id else float("-inf") for i in range(a, end)]
+            high = [i for i in range(a, end) if conf[i - a] > confidence_threshold]
+            if len(high) >= plan[s]:
+                pick = high
+            else:
+                pick = sorted(range(a, end), key=lambda i: -conf[i - a])[:plan[s]]
+            for i in pick:
+                x[i] = int(tok[i - a])
+        if any(t in stop_ids for t in x[P:]):
+            break
+    out = []
+    for t in x[P:P + gen_length]:
+        out.append(t)
+        if t in stop_ids:
+            break
+    return out
