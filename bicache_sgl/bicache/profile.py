@@ -98,6 +98,21 @@ def depth_for_tolerance(disagreements_by_depth: list[int], n: int, tolerance: fl
     return best
 
 
+def bucket_depth(disagreements_by_depth: list[int], n: int, tolerance: float,
+                 max_bound: float = MAX_BOUND) -> int | None:
+    """A bucket's verdict: ``depth_for_tolerance``, except that a bucket too small for the bound
+    (``flip_bound(0, n) > max_bound``) whose samples all agree at depth 1 gives no verdict (None: no
+    table entry; lookup falls back to the next lower bucket) rather than 0, which would pull every
+    lower bucket down to 0 through the monotone table for want of samples, not for a disagreement.
+    A disagreement at depth 1 is a verdict whatever n: 0."""
+    d = depth_for_tolerance(disagreements_by_depth, n, tolerance, max_bound)
+    if d == 0 and len(disagreements_by_depth) > 1 and n > 0:
+        k1 = int(disagreements_by_depth[1])
+        if k1 == 0 or (tolerance > 0 and flip_bound(k1, n) <= tolerance):
+            return None  # it agreed at depth 1: too few samples for a bound, not evidence against reuse
+    return d
+
+
 @dataclass(frozen=True)
 class BicacheProfile:
     table: tuple[tuple[float, int], ...]  # (r percent, b), r ascending
@@ -160,8 +175,10 @@ class BicacheProfile:
         for bk in buckets:
             if not bk.get("n"):
                 continue
-            d = depth_for_tolerance(list(bk["disagreements_by_depth"]), int(bk["n"]), tolerance,
-                                    float(self.extra.get("max_bound", MAX_BOUND)))
+            d = bucket_depth(list(bk["disagreements_by_depth"]), int(bk["n"]), tolerance,
+                             float(self.extra.get("max_bound", MAX_BOUND)))
+            if d is None:
+                continue
             entries = [(r, b) for r, b in entries if r != float(bk["r"])] + [(float(bk["r"]), d)]
         table = tuple(self.monotone(sorted(entries)))
         log.info("bicache profile %s at tolerance %g: r%% -> depth %s (the file's, at tolerance %g: %s)",

@@ -385,7 +385,7 @@ class AutoCalibration:
                 out.append(0)
             elif not rows:
                 out.append(None)
-            else:
+            else:  # None: too few samples for a verdict (no table entry)
                 out.append(exact_bucket(rows, self.tolerance, AUTO_MAX_BOUND)["depth"])
         return out
 
