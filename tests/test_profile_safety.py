@@ -13,14 +13,15 @@ the runtime does. Several seeds.
 On the profile shipped before issue 34 (criterion "mean agreement >= 0.9", depth 8 from r = 10%)
 this test failed: 11 of 72 answers differed from cache off (6 that stop at EOS, the answer digit
 itself, e.g. off " 0", bicache " 5"; 5 that run past EOS), all reused at depth 8. In a draft of the
-same generator a depth-1 profile at
-every r changed 15 of 73: on this model no depth above 0 is exact in these shapes, which is what
-the recalibrated profile (criterion "exact") says (docs/calibration.md).
+same generator a depth-1 profile at every r changed 15 of 73: on this model no depth above 0 is
+exact in these shapes, which is what the recalibrated profile (criterion "exact") says: depth 0
+at every r (docs/calibration.md). So the reuse this test can ask of the shipped profile is honestly
+none; it asserts that the prefixes are still matched, and that a profile which does allow a depth
+here would have to reuse on most requests. The workload generator is
+``bicache_sgl.training.calib_shapes.compositions`` (also ``examples/bench_profile_safety.py``).
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -29,33 +30,10 @@ from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile
 from bicache_sgl.config import SamplingParams
 from bicache_sgl.io_struct import GenerateRequest
 from bicache_sgl.models.loader import resolve_model_path
-from bicache_sgl.training import task as T
+from bicache_sgl.training.calib_shapes import compositions
 
 SEEDS = (0, 1, 2, 3)
-HEADS = ("", "You are a helpful assistant. Answer with the code.\n\n", "You are a careful assistant.\n\n")
-SHORT = {"temperature": 0, "max_new_tokens": 8}
-LONG = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 BATCH = 4
-
-
-def compositions(seed: int, groups: int = 6) -> list[tuple[str, dict]]:
-    """(prompt, sampling params) in arrival order. Each group shares a head + a first family's block;
-    its 2-4 requests differ in the question and in an optional second family's block."""
-    rng = random.Random(f"profile-safety|{seed}")
-    out = []
-    for _ in range(groups):
-        head = rng.choice(HEADS)
-        fam_a = T.random_family(rng, rng.randint(2, 6), "heldout")
-        base = head + T.build_prefix(fam_a.pairs)
-        for _ in range(rng.randint(2, 4)):
-            text, fam = base, fam_a
-            if rng.random() < 0.35:  # a second family's examples after the first's
-                fam_b = T.random_family(rng, rng.randint(2, 4), "heldout")
-                text, fam = text + T.EXAMPLE_SEP + T.build_prefix(fam_b.pairs), fam_b
-            prompt = T.build_prompt(text, rng.choice([k for k, _ in fam.pairs]))
-            out.append((prompt, LONG if rng.random() < 0.3 else SHORT))
-    rng.shuffle(out)
-    return out
 
 
 def run_batches(eng: Engine, reqs: list[tuple[str, dict]]) -> list:

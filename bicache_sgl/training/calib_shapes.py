@@ -89,6 +89,37 @@ def shape_records(groups_per_shape: int = 4, per_prefix: int = 3, seed: int = 0,
     return out
 
 
+# --------------------------------------------------------------------- served compositions
+# The differential workload of tests/test_profile_safety.py and examples/bench_profile_safety.py:
+# whole requests (not calibration records) in the shapes of issue 34.
+COMPOSITION_HEADS = ("", "You are a helpful assistant. Answer with the code.\n\n", "You are a careful assistant.\n\n")
+SHORT = {"temperature": 0, "max_new_tokens": 8}
+LONG = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+
+
+def compositions(seed: int, groups: int = 6, kind: str = T.DEFAULT_KIND) -> list[tuple[str, dict]]:
+    """(prompt, sampling params) in arrival order: ``groups`` groups sharing an optional system
+    line + a first family's 2-6 examples; each group's 2-4 requests differ in the question and in
+    an optional second family's 2-4 examples after the first's (about one in three); 8 new tokens
+    (stopping at EOS), or 32 with ``ignore_eos`` (about one in three). Shuffled, so a request
+    meets state captured in another request's context. Held-out families; deterministic."""
+    rng = random.Random(f"profile-safety|{seed}")
+    out = []
+    for _ in range(groups):
+        head = rng.choice(COMPOSITION_HEADS)
+        fam_a = T.random_family(rng, rng.randint(2, 6), "heldout", kind)
+        base = head + T.build_prefix(fam_a.pairs)
+        for _ in range(rng.randint(2, 4)):
+            text, fam = base, fam_a
+            if rng.random() < 0.35:  # a second family's examples after the first's
+                fam_b = T.random_family(rng, rng.randint(2, 4), "heldout", kind)
+                text, fam = text + T.EXAMPLE_SEP + T.build_prefix(fam_b.pairs), fam_b
+            prompt = T.build_prompt(text, rng.choice([k for k, _ in fam.pairs]))
+            out.append((prompt, LONG if rng.random() < 0.3 else SHORT))
+    rng.shuffle(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bicache_sgl.training.calib_shapes", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=T.KINDS, default=T.DEFAULT_KIND, help="family kind (default: %(default)s)")
