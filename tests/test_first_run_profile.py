@@ -242,6 +242,15 @@ def test_resolve_profile_choices(bundled_copy, tmp_path):
     own = tmp_path / "own.json"
     BicacheProfile(((0.0, 0), (50.0, 3)), 8).save(own)
     assert auto.resolve_profile(cfg.replace(bicache_profile=str(own)), loaded, boom).lookup(0.6) == 3
+    # --bicache-tolerance re-derives an exact profile's table from its per-bucket counts
+    exact = tmp_path / "exact.json"
+    BicacheProfile(((0.0, 0), (50.0, 0)), 8, criterion="exact", threshold=0.0,
+                   extra={"tolerance": 0.0, "buckets": [{"r": 50.0, "n": 300,
+                                                          "disagreements_by_depth": [0, 1, 1, 5, 8, 8, 8, 8, 8]}]}
+                   ).save(exact)
+    at = {t: auto.resolve_profile(cfg.replace(bicache_profile=str(exact), bicache_tolerance=t), loaded, boom)
+          for t in (0.0, 0.02, 0.05)}
+    assert [at[t].lookup(0.6) for t in (0.0, 0.02, 0.05)] == [0, 2, 8]
 
 
 def test_checkpoint_fingerprint(tmp_path, monkeypatch):
