@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .bicache.profile import BicacheProfile
+from .bicache.profile import CRITERION_EXACT, MAX_BOUND, BicacheProfile
 from .calibration.data import (
     CACHED_CONTEXTS,
     DEFAULT_CACHED_CONTEXT,
@@ -39,6 +39,8 @@ from .calibration.measure import (
     DEPTH_RULES,
     depth_from_agreement,
     depth_from_similarity,
+    exact_bucket,
+    first_flip,
     kv_cosine_profile,
     safe_table,
     token_agreement,
@@ -49,7 +51,10 @@ log = logging.getLogger("bicache_sgl.calibrate")
 __all__ = ["DataError", "Sample", "build_parser", "calibrate", "depth_from_agreement", "depth_from_similarity",
            "format_summary", "gen_candidates", "kv_cosine_profile", "main", "plan_task", "token_agreement"]
 
-CRITERIA = ("kv-cosine", "agreement")
+CRITERIA = (CRITERION_EXACT, "kv-cosine", "agreement")
+# how the exact criterion's requests end: "stop" at EOS (the answer a user reads), "ignore_eos" (the
+# whole generated region, past EOS, where the model's text is out of distribution)
+GEN_MODES = ("stop", "ignore_eos")
 CACHED_STATE = {
     "prefix_only": "prefix-only forward (as an explicit cache_prefix request fills the prefix cache)",
     "first_request": "the prefix inside another request's own forward (the prefix + a different question of the "
@@ -82,6 +87,21 @@ def _percent_points(s: str) -> float:
     if not 0 <= v < 100:
         raise argparse.ArgumentTypeError(f"must be percentage points in [0, 100), got {s}")
     return v
+
+
+def _tolerance(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"--tolerance must be in [0, 1), got {s}")
+    return v
+
+
+def _gen_modes(s: str) -> list[str]:
+    modes = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in modes if m not in GEN_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"--gen-modes: comma-separated {', '.join(GEN_MODES)}; got {s!r}")
+    return list(dict.fromkeys(modes))
 
 
 def _positive_int(s: str) -> int:
@@ -117,10 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="profile JSON to write")
     ap.add_argument("--plot", default=None,
                     help="PNG to write (default: the --out path with .png; 'none' for no plot)")
-    ap.add_argument("--criterion", choices=CRITERIA, default="kv-cosine",
-                    help="kv-cosine: leading layers whose K/V similarity >= --threshold; agreement: largest depth "
-                         "up to which every depth's greedy output agrees with cache-off on >= --agreement of the "
-                         "tokens")
+    ap.add_argument("--criterion", choices=CRITERIA, default=CRITERION_EXACT,
+                    help="exact: per bucket, the deepest depth d at which every sample's greedy answer (the whole "
+                         "generated region) equals cache off's at every depth 0..d (with --tolerance, the 95%% "
+                         "bound on the flip rate at most that); kv-cosine: leading layers whose K/V similarity >= "
+                         "--threshold; agreement: largest depth up to which every depth's greedy output agrees with "
+                         "cache-off on >= --agreement of the tokens on average (allows changed answers)")
+    ap.add_argument("--tolerance", type=_tolerance, default=0.0,
+                    help="exact: tolerated flip rate; 0 = no sample may change (0.02: the 95%% upper bound on the "
+                         "rate of changed answers at most 2%%; needs about 150+ samples per bucket to pass with "
+                         "any disagreement). The profile keeps the per-depth counts, so the server's "
+                         "--bicache-tolerance can re-derive the table")
+    ap.add_argument("--max-bound", type=_tolerance, default=MAX_BOUND,
+                    help="exact: a depth above 0 is taken only where the 95%% upper bound on the flip rate is at "
+                         "most this (with no disagreement: about 3/n, so n >= 59 samples per bucket for 0.05)")
+    ap.add_argument("--gen-modes", type=_gen_modes, default=",".join(GEN_MODES),
+                    help="exact: how each sample's requests end, comma-separated: stop (at EOS) and/or ignore_eos "
+                         "(the whole region, past EOS); each mode is a sample of its own")
     ap.add_argument("--cached-context", choices=CACHED_CONTEXTS, default=DEFAULT_CACHED_CONTEXT,
                     help="where the cached prefix state comes from: first_request = the prefix computed inside "
                          "another request's own context (the prefix + a different question of the data set + its "
@@ -210,7 +243,7 @@ def _driver(args: argparse.Namespace, model_path: str, items: Sequence[Item]) ->
                        steps_per_block=args.steps_per_block)
     loaded = load(cfg)
     stack = None
-    if args.criterion == "agreement":
+    if args.criterion in ("agreement", CRITERION_EXACT):
         # the pool only ever holds one S (flushed between measurements) plus one request's tail: the
         # measured one's or the first request's, whose (whole) question may be the longer
         cap = max(max(it.task.prompt_len, it.task.s_len + len(it.context or ())) for it in items) + 1
@@ -251,6 +284,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     items = _items(args, samples, tasks)
     driver = _driver(args, model_path, items)
     agreement = args.criterion == "agreement"
+    exact = args.criterion == CRITERION_EXACT
     sampling = {"block_length": args.block_length, "cache_mode": args.cache_mode,
                 "threshold": args.decode_threshold}
     if args.steps_per_block:
@@ -259,6 +293,8 @@ def calibrate(args: argparse.Namespace) -> dict:
     nb = len(fractions)
     tk, tv, th, ta = Tally(), Tally(), Tally(), Tally()
     per_r: list[list[float]] = [[] for _ in range(nb)]
+    flips: list[list[tuple[int, int]]] = [[] for _ in range(nb)]
+    flips_by_mode: dict[str, list[list[tuple[int, int]]]] = {m: [[] for _ in range(nb)] for m in args.gen_modes}
     t0 = time.time()
 
     def measure(it: Item) -> None:
@@ -269,6 +305,12 @@ def calibrate(args: argparse.Namespace) -> dict:
         per_r[it.task.bucket].append(it.task.r)
         if agreement:
             ta.add(it, driver.agreement(it, sampling)[0])
+        if exact:
+            for mode in args.gen_modes:
+                _, outs = driver.agreement(it, {**sampling, "ignore_eos": mode == "ignore_eos"})
+                f = (first_flip(outs), L)
+                flips[it.task.bucket].append(f)
+                flips_by_mode[mode][it.task.bucket].append(f)
 
     driver.run(f"calibrate ({args.criterion})", items, measure, bar=not args.no_progress,
                postfix=lambda it: f"sample {it.task.sample + 1}/{len(samples)} r={fractions[it.task.bucket]:g}%")
@@ -279,15 +321,18 @@ def calibrate(args: argparse.Namespace) -> dict:
     sim_h = [th.mean("data", b) for b in range(nb)]
     sim = [None if k is None else [(a + b) / 2 for a, b in zip(k, v)] for k, v in zip(sim_k, sim_v)]
     agree = [ta.mean("data", b) for b in range(nb)] if agreement else None
+    buckets = [exact_bucket(flips[b], args.tolerance, args.max_bound) for b in range(nb)] if exact else None
     raw: list[int | None] = []
     for bi in range(nb):
         if sim[bi] is None:
             raw.append(None)
+        elif exact:
+            raw.append(buckets[bi]["depth"])
         elif args.criterion == "kv-cosine":
             raw.append(depth_from_similarity(sim[bi], args.threshold, args.depth_rule))
         else:
             raw.append(depth_from_agreement(agree[bi], args.agreement))
-    thr = args.threshold if args.criterion == "kv-cosine" else args.agreement
+    thr = args.threshold if args.criterion == "kv-cosine" else args.tolerance if exact else args.agreement
     prof = BicacheProfile(table=tuple(safe_table(fractions, raw)), n_layers=L,
                           model=_model_name(args.model_path, model_path), criterion=args.criterion, threshold=thr)
     counts = [len(tk.get("data", b)) for b in range(nb)]
@@ -304,6 +349,17 @@ def calibrate(args: argparse.Namespace) -> dict:
         **prof.to_dict(),
         "kv_threshold": args.threshold,
         "min_agreement": args.agreement if agreement else None,
+        "tolerance": args.tolerance if exact else None,
+        "confidence": 0.95 if exact else None,
+        "max_bound": args.max_bound if exact else None,
+        # exact: per bucket (aligned with "fractions"): n samples (items x --gen-modes), the depth, the
+        # samples that differ from cache off at some depth <= it, the 95% upper bound on the flip rate,
+        # and the same count at every depth 0..measured_depth (what --bicache-tolerance re-derives from)
+        "buckets": ([None if bk is None else {"r": fractions[i], **bk} for i, bk in enumerate(buckets)]
+                    if exact else None),
+        "buckets_by_mode": ({m: [exact_bucket(v[b], args.tolerance, args.max_bound) for b in range(nb)]
+                             for m, v in flips_by_mode.items()} if exact else None),
+        "gen_modes": list(args.gen_modes) if exact else None,
         "depth_rule": args.depth_rule if args.criterion == "kv-cosine" else None,
         "fractions": fractions,
         "samples_per_fraction": counts,
@@ -324,7 +380,7 @@ def calibrate(args: argparse.Namespace) -> dict:
         "block_length": args.block_length,
         "decode": ({"cache_mode": args.cache_mode, "threshold": args.decode_threshold,
                     "steps_per_block": args.steps_per_block, "temperature": 0.0}
-                   if agreement else None),
+                   if agreement or exact else None),
         "seconds": round(time.time() - t0, 2),
     }
 
@@ -333,8 +389,12 @@ def format_summary(result: dict) -> str:
     L = result["n_layers"]
     table = {float(r): b for r, b in result["table"]}
     agr = result.get("agreement")
+    bks = result.get("buckets")
     head = "| r (%) | samples | mean r | b(r) | raw | similarity at layer b-1 | at layer b |"
     sep = "|---|---|---|---|---|---|---|"
+    if bks is not None:
+        head += " n (x modes) | differ at raw | 95% flip bound | differ at L |"
+        sep += "---|---|---|---|"
     if agr is not None:
         head += " agreement at b | at L (naive) |"
         sep += "---|---|"
@@ -342,7 +402,8 @@ def format_summary(result: dict) -> str:
     for i, r in enumerate(result["fractions"]):
         n = result["samples_per_fraction"][i]
         if n == 0:
-            lines.append(f"| {r:g} | 0 | - | - | - | - | - |" + (" - | - |" if agr is not None else ""))
+            lines.append(f"| {r:g} | 0 | - | - | - | - | - |" + (" - | - |" if agr is not None else "")
+                         + (" - | - | - | - |" if bks is not None else ""))
             continue
         b = table.get(float(r), 0)
         sim = result["similarity"][i]
@@ -350,6 +411,10 @@ def format_summary(result: dict) -> str:
         at = f"{sim[b]:.4f}" if b < L else "-"
         row = f"| {r:g} | {n} | {result['mean_prefix_fraction'][i]:.3f} | {b} | {result['depth_raw'][i]} | " \
               f"{before} | {at} |"
+        if bks is not None and bks[i] is not None:
+            bk = bks[i]
+            row += f" {bk['n']} | {bk['disagreements']} | {bk['flip_bound95']:.3f} | " \
+                   f"{bk['disagreements_by_depth'][-1]} |"
         if agr is not None:
             row += f" {agr[i][b]:.3f} | {agr[i][L]:.3f} |"
         lines.append(row)
@@ -387,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .calibration.plot import plot_profile
         plot_profile(plot_path, result)
     print(f"\nbicache profile for {result['model']} ({result['n_layers']} layers), criterion {result['criterion']}"
-          f" (threshold {result['threshold']:g}), cached context {result['cached_context']}, "
+          f" ({'tolerance' if result['criterion'] == CRITERION_EXACT else 'threshold'} {result['threshold']:g}), "
+          f"cached context {result['cached_context']}, "
           f"{result['num_samples']} samples, {result['seconds']:.1f} s\n")
     print(format_summary(result))
     print(f"\ntable (r % -> b): {result['table']}")

@@ -463,6 +463,11 @@ class EngineConfig:
     calibration_data: str | None = option(
         None, "Prompts for the start-up calibration (the calibrate CLI's jsonl/txt formats); default: prompts "
               "synthesised from the tokenizer.")
+    bicache_tolerance: float = option(
+        0.0, "Tolerated rate of answers changed by bicache reuse: 0 (default) = exact, a depth is used only where "
+             "calibration saw no answer differ from cache off; e.g. 0.02 = where the 95% upper bound on the rate "
+             "of changed answers is at most 2% (the table is re-derived from an exact profile's per-bucket counts; "
+             "docs/calibration.md).")
     bicache_audit_rate: float = option(
         0.02, "Fraction of prefix-reusing requests whose first forward is also run without reuse; a profile "
               "bucket whose reuse disagrees is lowered (0 turns the audit off).")
@@ -503,6 +508,8 @@ class EngineConfig:
         parse_prefix_cache_mode(self.prefix_cache)
         _check(_is_num(self.calibration_budget_s) and self.calibration_budget_s >= 0,
                f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
+        _check(_is_num(self.bicache_tolerance) and 0 <= self.bicache_tolerance < 1,
+               f"bicache_tolerance must be in [0, 1), got {self.bicache_tolerance!r}")
         _check(_is_num(self.bicache_audit_rate) and 0 <= self.bicache_audit_rate <= 1,
                f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
         _check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,

@@ -4,12 +4,15 @@ that agreed, or half the failed one (and every lower bucket with it), and is on 
 
 from __future__ import annotations
 
+import logging
+import shutil
+
 import pytest
 import torch
 
 from bicache_sgl import Engine
 from bicache_sgl.bicache.audit import DepthAudit, compare
-from bicache_sgl.bicache.profile import BicacheProfile
+from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile
 from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 
 K, L = 2, 6
@@ -112,3 +115,45 @@ def test_audited_requests_answer_as_cache_off(tiny_llada, tmp_path):
         finally:
             eng.shutdown()
     assert outs["off"] == outs["bicache"]
+
+
+def test_exact_profile_audit_holds_reuse_to_its_promise():
+    """For a profile of the exact criterion a disagreement is any changed top-1 at tolerance 0 (or
+    more than the tolerance), whatever min_agreement allows other criteria."""
+    exact = torch.tensor([[0.0, 5.0, 0.0]] * 20)
+    one_off = exact.clone()
+    one_off[3] = torch.tensor([5.0, 0.0, 0.0])  # 95% top-1 agreement
+    table = ((0, 0), (50, 4))
+    lenient = DepthAudit(BicacheProfile(table, 4, criterion="agreement", threshold=0.9), rate=1.0)
+    lenient.record(0.7, 4, one_off, exact)
+    assert lenient.cap(0.7) is None  # 95% >= 90%: the agreement profile's rule lets it pass
+    strict = DepthAudit(BicacheProfile(table, 4, criterion="exact", threshold=0.0), rate=1.0)
+    strict.record(0.7, 4, one_off, exact)
+    assert strict.cap(0.7) == 2 and strict.min_agreement == 1.0
+    tolerant = DepthAudit(BicacheProfile(table, 4, criterion="exact", threshold=0.1), rate=1.0)
+    tolerant.record(0.7, 4, one_off, exact)
+    assert tolerant.cap(0.7) is None  # within its 10% tolerance
+
+
+def test_shipped_profile_bucket_is_lowered_and_logged(planted, tmp_path, caplog):
+    """A profile shipped beside the model (not a first-run one, not given by flag) is audited too:
+    on probation (asked for here; 0 by default for a shipped profile) its first reusing request is
+    audited, the too-deep bucket is lowered with a WARNING naming the profile, and every answer is
+    the planted task's."""
+    model = tmp_path / "shipped"
+    shutil.copytree(planted, model)
+    BicacheProfile(((0, 0), (50, 2 * K)), L, model="shipped-planted", criterion="exact",
+                   threshold=0.0).save(model / PROFILE_FILENAME)
+    with caplog.at_level(logging.WARNING, logger="bicache_sgl.bicache.audit"):
+        eng = Engine(str(model), prefix_cache="bicache", bicache_audit_probation=2, threshold=None, device="cpu")
+        try:
+            assert eng.profile.model == "shipped-planted" and "auto" not in eng.profile.extra
+            eng.generate(PREFIX + "Question 3: which digit?", SP)
+            for d in "584":
+                prompt = PREFIX + f"Question {d}: which digit?"
+                assert eng.generate(prompt, SP)["text"] == expected_answer(prompt) * G
+            st = eng.get_stats()
+            assert st["bicache_audit_lowered_total"] >= 1 and st["bicache_audit_bucket_depth"]["r50"] <= K
+        finally:
+            eng.shutdown()
+    assert "of the profile shipped-planted (exact) goes from depth 4 to 2" in caplog.text

@@ -4,6 +4,7 @@
 
 import ast
 import json
+import math
 import random
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from bicache_sgl import calibrate as cli
-from bicache_sgl.bicache.profile import BicacheProfile
+from bicache_sgl.bicache.profile import BicacheProfile, depth_for_tolerance, flip_bound, tolerated
 from bicache_sgl.calibration import data, measure
 from bicache_sgl.calibration.data import Sample, Task
 
@@ -72,7 +73,8 @@ def _safe_at(d, r):
 def test_kv_cosine_on_prompts(tiny_llada, prompts_file, tmp_path, capsys):
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
     rc = cli.main(["--model-path", tiny_llada, "--data", str(prompts_file), "--out", str(out), "--plot", str(png),
-                   "--fractions", "20,50,80", "--gen-length", "16", "--block-length", "8", "--no-progress"])
+                   "--fractions", "20,50,80", "--gen-length", "16", "--block-length", "8", "--no-progress",
+                   "--criterion", "kv-cosine"])
     assert rc == 0
     prof, d = _check_outputs(out, png, 4)
     assert prof.criterion == "kv-cosine" and prof.threshold == 0.97
@@ -104,7 +106,7 @@ def test_cached_context_changes_what_is_measured(tiny_llada, prompts_file, tmp_p
     """prefix_only and first_request measure different cached states of the same S; a single
     sample cannot provide another request's question, and says so."""
     args = ["--model-path", tiny_llada, "--data", str(prompts_file), "--fractions", "50", "--gen-length", "8",
-            "--block-length", "8", "--no-progress", "--plot", "none"]
+            "--block-length", "8", "--no-progress", "--plot", "none", "--criterion", "kv-cosine"]
     res = {}
     for ctx in ("prefix_only", "first_request"):
         out = tmp_path / f"{ctx}.json"
@@ -438,3 +440,83 @@ def test_agreement_sees_the_context_model_failure(tmp_path):
     assert d["depth_raw"] == [measure.depth_from_agreement(agr, 0.9)] and d["depth_raw"][0] <= 1
     shipped = BicacheProfile.load(CONTEXT_MODEL / "bicache_profile.json")
     assert prof.lookup(0.5) <= 1 and prof.lookup(0.5) <= shipped.lookup(0.5)
+
+
+# ------------------------------------------------------------------------------------------ exact
+def test_flip_bound_is_clopper_pearson():
+    """Zero disagreements in n: 1 - 0.05^(1/n), about 3/n; with k > 0 the one-sided 95% bound p at
+    which P(X <= k) = 5% (checked against the binomial tail directly)."""
+    for n in (10, 24, 100, 300):
+        assert flip_bound(0, n) == pytest.approx(1 - 0.05 ** (1 / n), rel=1e-6)
+        assert 2.5 / n < flip_bound(0, n) < 3.1 / n
+    for k, n in ((1, 100), (3, 50), (2, 300)):
+        p = flip_bound(k, n)
+        tail = sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+        assert tail == pytest.approx(0.05, abs=1e-6) and p > k / n
+    assert flip_bound(0, 0) == 1.0 and flip_bound(5, 5) == 1.0
+
+
+def test_tolerance_zero_is_exact_and_a_tolerance_needs_enough_samples():
+    # exact: no disagreement, and enough samples for the promised bound (5%: n >= 59)
+    assert tolerated(0, 59, 0.0) and not tolerated(0, 58, 0.0) and not tolerated(1, 1000, 0.0)
+    assert tolerated(0, 24, 0.0, max_bound=0.2)
+    # 1 flip in 300: bound ~1.6% <= 2%; 1 in 24: bound ~19% > 2% (and above the 0-flip bound of 24)
+    assert tolerated(1, 300, 0.02) and not tolerated(1, 24, 0.02) and not tolerated(4, 300, 0.02)
+    assert tolerated(4, 300, 0.05)
+    # every depth 0..d must pass: a deeper depth that passes after a failing one is not taken
+    assert depth_for_tolerance([0, 0, 1, 1, 3], 300, 0.0) == 1
+    assert depth_for_tolerance([0, 0, 1, 1, 3], 300, 0.02) == 3
+    assert depth_for_tolerance([0, 0, 1, 1, 3], 300, 0.05) == 4
+    assert depth_for_tolerance([0, 5], 10, 0.0) == 0
+    assert depth_for_tolerance([0, 0, 0], 24, 0.0) == 0  # no flips, but too few samples for 5%
+    assert depth_for_tolerance([0, 0, 0], 24, 0.0, max_bound=0.2) == 2
+
+
+def test_first_flip_counts_the_whole_generated_region():
+    off = [5, 7, 0, 0]
+    assert measure.first_flip([off, off, off]) == 3  # every depth equal
+    assert measure.first_flip([off, off, [5, 7, 0, 9], off]) == 2  # past EOS counts (ignore_eos)
+    assert measure.first_flip([off, [5, 7, 0], off]) == 1  # a shorter output differs
+    bk = measure.exact_bucket([(3, 2), (1, 2), (3, 2), (2, 2)], max_bound=1.0)
+    assert bk["n"] == 4 and bk["disagreements_by_depth"] == [0, 1, 2] and bk["depth"] == 0
+    assert bk["disagreements"] == 0 and bk["flip_bound95"] == pytest.approx(flip_bound(0, 4), abs=1e-5)
+    assert measure.exact_bucket([]) is None
+
+
+def test_at_tolerance_rederives_the_table_from_the_counts():
+    buckets = [{"r": 30.0, "n": 300, "disagreements_by_depth": [0, 1, 2, 9]},  # 300 samples: 0 flips is ~1%
+               {"r": 60.0, "n": 300, "disagreements_by_depth": [0, 0, 1, 1]}]
+    prof = BicacheProfile(((0, 0), (30, 0), (60, 1)), 3, criterion="exact", threshold=0.0,
+                          extra={"buckets": buckets, "tolerance": 0.0})
+    assert prof.at_tolerance(0.0) is prof
+    loose = prof.at_tolerance(0.02)
+    # r=30: 1 flip in 300 at depth 1 (bound 1.6%) passes, 2 at depth 2 (2.1%) does not
+    assert loose.table == ((0.0, 0), (30.0, 1), (60.0, 3)) and loose.extra["tolerance"] == 0.02
+    other = BicacheProfile(((0, 0), (30, 4)), 8, criterion="agreement", threshold=0.9)
+    assert other.at_tolerance(0.05) is other  # no counts to re-derive from: the table stands
+
+
+def test_exact_criterion_writes_per_bucket_counts(tiny_llada, prompts_file, tmp_path, capsys):
+    """The default criterion: per bucket n = samples x gen modes, the disagreements at every depth,
+    the depth (every sample equal to cache off at every depth up to it) and its 95% bound; the
+    table is built from those depths; the runtime loads it. (--max-bound 0.9: two prompts are far
+    too few for the default 5%, which would make every depth 0 whatever was measured.)"""
+    out = tmp_path / "exact.json"
+    assert cli.main(["--model-path", tiny_llada, "--data", str(prompts_file), "--out", str(out), "--plot", "none",
+                     "--fractions", "30,60", "--gen-length", "8", "--block-length", "8", "--no-progress",
+                     "--max-bound", "0.9"]) == 0
+    d = json.loads(out.read_text())
+    prof = BicacheProfile.load(out)
+    assert prof.criterion == "exact" and prof.threshold == 0.0 and d["tolerance"] == 0.0
+    assert d["gen_modes"] == ["stop", "ignore_eos"]
+    for i, bk in enumerate(d["buckets"]):
+        by = bk["disagreements_by_depth"]
+        assert bk["r"] == d["fractions"][i] and bk["n"] == 2 * d["samples_per_fraction"][i]
+        assert len(by) == prof.n_layers + 1 and by[0] == 0 and by == sorted(by)
+        assert bk["depth"] == depth_for_tolerance(by, bk["n"], 0.0, 0.9) == d["depth_raw"][i]
+        assert by[bk["depth"]] == bk["disagreements"] == 0
+        assert bk["flip_bound95"] == pytest.approx(flip_bound(0, bk["n"]), abs=1e-5)
+        per_mode = [d["buckets_by_mode"][m][i]["n"] for m in ("stop", "ignore_eos")]
+        assert per_mode == [bk["n"] // 2] * 2
+    assert prof.table == tuple((float(r), b) for r, b in measure.safe_table(d["fractions"], d["depth_raw"]))
+    assert "95% flip bound" in capsys.readouterr().out

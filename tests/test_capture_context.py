@@ -27,11 +27,24 @@ def fewshot(keys: str, code: str, q: str, head: str = "") -> str:
 
 
 @pytest.fixture(scope="module")
-def engines():
-    """The bundled default model (its shipped profile: depth 8 from r = 10 %) with the cache off
-    and with bicache (no sampled audits, so every reusing request reuses)."""
+def deep_profile(tmp_path_factory) -> str:
+    """A deliberately deep profile for the bundled default model: depth 8 from r = 10 %, the table
+    it shipped with before issue 34. Its shipped profile is now depth 0 everywhere (no depth above
+    0 kept every calibration answer equal to cache off, docs/calibration.md), which would reuse
+    nothing here; these regressions check the capture-context RULE, which must hold whatever depth
+    a profile allows, so they run a deep one."""
+    path = tmp_path_factory.mktemp("deep_profile") / "deep.json"
+    BicacheProfile(((0.0, 0),) + tuple((float(r), 8) for r in range(10, 90, 10)), 8, model="default_model",
+                   criterion="agreement", threshold=0.9).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engines(deep_profile):
+    """The bundled default model with the cache off and with bicache under the deep profile (no
+    sampled audits, so every reusing request reuses)."""
     off = Engine(prefix_cache="off", num_threads=1)
-    on = Engine(prefix_cache="bicache", bicache_audit_rate=0.0, num_threads=1)
+    on = Engine(prefix_cache="bicache", bicache_audit_rate=0.0, num_threads=1, bicache_profile=deep_profile)
     yield off, on
     off.shutdown()
     on.shutdown()
@@ -225,12 +238,13 @@ def test_a_too_deep_first_run_profile_answers_as_cache_off_from_the_first_reques
 
 
 # ------------------------------------------------------------------------ multi-turn reuse of answers
-def test_multiturn_reuse_of_cached_answers_answers_as_cache_off(engines):
+def test_multiturn_reuse_of_cached_answers_answers_as_cache_off(engines, deep_profile):
     """With cache_output, each finished request's prompt + answer is inserted (one prefill-only
     forward, the answer final); turn t + 1 then matches turn t's answer too, reused under the
     capture-context rule, and every turn's answer equals cache off."""
     off, _ = engines
-    on = Engine(prefix_cache="bicache", bicache_audit_rate=0.0, cache_output=True, num_threads=1)
+    on = Engine(prefix_cache="bicache", bicache_audit_rate=0.0, cache_output=True, num_threads=1,
+                bicache_profile=deep_profile)
     try:
         for keys, code in (("YWDRU", "2"), ("KHIME", "0"), ("ABCFG", "7")):
             conv = {e: "\n\n".join(f"Question: {k}\nAnswer: {code}" for k in keys) for e in (off, on)}

@@ -53,7 +53,12 @@ def _counts():
     return dict(auto.stats)
 
 
-def test_bundled_copy_audits_on_probation_and_restart_uses_the_cache(bundled_copy, caplog):
+def test_bundled_copy_first_run_profile_is_exact_and_restart_uses_the_cache(bundled_copy, caplog):
+    """The bundled model without its profile: the first-run profile is measured with the exact
+    criterion, and each bucket's verdict has its reason in the counts (a depth above 0: no sample
+    differed up to it, within the first-run bound; 0: a sample differed at depth 1). Requests that
+    share a few-shot block match it and answer exactly as with the cache off (reused or audited);
+    a restart uses the cached profile."""
     items = task.heldout_items(3, 6, seed=0)
     assert items[0]["prefix"] == items[1]["prefix"] == items[2]["prefix"]
     sp = {"temperature": 0, "max_new_tokens": 8}
@@ -64,32 +69,36 @@ def test_bundled_copy_audits_on_probation_and_restart_uses_the_cache(bundled_cop
         assert _counts()["calibrations"] == before["calibrations"] + 1
         assert "calibrating a bicache profile" in caplog.text and "auto-calibration first-step agreement" in caplog.text
         prof = eng.profile
-        assert prof is not None and prof.criterion == "agreement" and prof.max_depth > 0
-        first = eng.generate(items[0]["prompt"], sp)  # computes the prefix and caches it
-        second = eng.generate(items[1]["prompt"], sp)  # the first request that can reuse it
-        m = second["meta_info"]
-        # a first-run profile is on probation: the reusing request is audited and answered exact
-        assert m["bicache_audited"] and m["bicache_depth"] == 0 and m["cached_tokens"] > 0, m
-        st = eng.get_stats()
-        assert st["bicache_audit_probation"] > 0 and st["bicache_audit_served_exact_total"] == 1, st
-        assert first["text"].strip() == items[0]["answer"] and second["text"].strip() == items[1]["answer"]
+        assert prof is not None and prof.criterion == "exact" and prof.threshold == 0.0
+        verdicts = [bk for bk in prof.extra["buckets"] if bk is not None and bk["depth"] is not None]
+        assert verdicts
+        for bk in verdicts:
+            by = bk["disagreements_by_depth"]
+            if bk["depth"] > 0:
+                assert by[bk["depth"]] == 0 and bk["flip_bound95"] <= auto.AUTO_MAX_BOUND, bk
+            else:
+                assert by[1] > 0, bk
+        outs = [eng.generate(it["prompt"], sp) for it in items]
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs[1:])  # the block is matched
+        assert all(o["meta_info"]["bicache_depth"] <= prof.max_depth for o in outs)
     finally:
         eng.shutdown()
+    off = Engine(str(bundled_copy), prefix_cache="off")
+    try:
+        assert [off.generate(it["prompt"], sp)["output_ids"] for it in items] == [o["output_ids"] for o in outs]
+    finally:
+        off.shutdown()
     cached = list((Path(auto.cache_dir()) / "profiles").glob("*.json"))
     assert len(cached) == 1 and BicacheProfile.load(cached[0]).table == prof.table
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="bicache_sgl.calibration.auto"):
-        # a restart: the cached profile, no calibration (trusted at once here, to see it reused)
-        eng = Engine(str(bundled_copy), bicache_audit_probation=0)
+        eng = Engine(str(bundled_copy))  # a restart: the cached profile, no calibration
     try:
         assert _counts()["calibrations"] == before["calibrations"] + 1
         assert _counts()["cache_hits"] == before["cache_hits"] + 1
         assert "using cached profile" in caplog.text and "calibrating a bicache profile" not in caplog.text
         assert eng.profile.table == prof.table
-        eng.generate(items[0]["prompt"], sp)
-        m = eng.generate(items[2]["prompt"], sp)["meta_info"]
-        assert m["bicache_depth"] > 0, m
     finally:
         eng.shutdown()
 
@@ -182,7 +191,12 @@ def test_budget_runs_out_low_buckets_get_depth_zero(planted, caplog, monkeypatch
     measured = [f for f, n in zip(fr, counts) if n]
     assert measured and min(measured) > fr[0]  # high r first: the lowest buckets were not reached
     assert all(d == 0 for f, d in zip(fr, raw) if f < min(measured))  # unmeasured: depth 0
-    assert all(b <= K for _, b in prof.table) and prof.lookup(max(measured) / 100) == K
+    assert all(b <= K for _, b in prof.table)
+    # what was measured saw no disagreement up to K (the planted model's safe depth); a handful of
+    # samples is too few for a depth above 0 under the exact criterion's bound, so the table is 0
+    for f in measured:
+        bk = prof.extra["buckets"][fr.index(f)]
+        assert bk["disagreements_by_depth"][K] == 0 and bk["n"] > 0, bk
     # a restart with the same budget uses the partial profile; a larger budget calibrates again
     before = _counts()
     Engine(planted, calibration_budget_s=1.0).shutdown()
@@ -196,8 +210,10 @@ def test_budget_runs_out_low_buckets_get_depth_zero(planted, caplog, monkeypatch
 def test_calibration_data_file(planted, tmp_path):
     data = tmp_path / "prompts.jsonl"
     words = "we read a long shared system prompt and then answer one short question about it " * 2
-    data.write_text("".join(json.dumps({"prompt": f"{words}Question: which digit? {d}"}) + "\n" for d in "3851"))
-    eng = Engine(planted, calibration_data=str(data), calibration_budget_s=20)
+    # 12 prompts: enough for the first-run bound (0 disagreements in 12: 22% <= auto.AUTO_MAX_BOUND)
+    data.write_text("".join(json.dumps({"prompt": f"{words}Question: which digit? {d}"}) + "\n"
+                            for d in "385172946038"))
+    eng = Engine(planted, calibration_data=str(data), calibration_budget_s=60)
     eng.shutdown()
     prof = eng.profile
     assert prof.extra["auto"]["settings"]["data"]["file"].startswith("sha256:")
@@ -226,6 +242,15 @@ def test_resolve_profile_choices(bundled_copy, tmp_path):
     own = tmp_path / "own.json"
     BicacheProfile(((0.0, 0), (50.0, 3)), 8).save(own)
     assert auto.resolve_profile(cfg.replace(bicache_profile=str(own)), loaded, boom).lookup(0.6) == 3
+    # --bicache-tolerance re-derives an exact profile's table from its per-bucket counts
+    exact = tmp_path / "exact.json"
+    BicacheProfile(((0.0, 0), (50.0, 0)), 8, criterion="exact", threshold=0.0,
+                   extra={"tolerance": 0.0, "buckets": [{"r": 50.0, "n": 300,
+                                                          "disagreements_by_depth": [0, 1, 1, 5, 8, 8, 8, 8, 8]}]}
+                   ).save(exact)
+    at = {t: auto.resolve_profile(cfg.replace(bicache_profile=str(exact), bicache_tolerance=t), loaded, boom)
+          for t in (0.0, 0.02, 0.05)}
+    assert [at[t].lookup(0.6) for t in (0.0, 0.02, 0.05)] == [0, 2, 8]
 
 
 def test_checkpoint_fingerprint(tmp_path, monkeypatch):
@@ -257,16 +282,21 @@ def test_checkpoint_fingerprint(tmp_path, monkeypatch):
 def test_synthesised_prompts():
     from bicache_sgl.models.loader import load_tokenizer
     tok = load_tokenizer(default_model_path())
-    made = synth.synthesize(tok, 8, min_tokens=100, max_tokens=200)
-    assert made == synth.synthesize(tok, 8, min_tokens=100, max_tokens=200)  # deterministic
-    assert [g for g, _ in made] == ["text", "fewshot", "chat", "headed"] * 2
+    made = synth.synthesize(tok, 12, min_tokens=150, max_tokens=240)
+    assert made == synth.synthesize(tok, 12, min_tokens=150, max_tokens=240)  # deterministic
+    assert [g for g, _ in made] == ["text", "fewshot", "chat", "headed", "twoblock", "multiturn"] * 2
     for g, text in made:
-        assert 90 <= len(tok.encode(text)) <= 260
+        assert 140 <= len(tok.encode(text)) <= 420
         digits = [c for c in text if c.isdigit()]
         if g == "text":
             assert text[-1].isdigit()  # the question's number is the last token: never in a shared prefix
         elif g == "chat":
             assert len(digits) == 1 and "ystem" in text  # one digit, in the user turn
+        elif g == "twoblock":  # a second block of another form after the first, and its question
+            assert text.startswith(synth.HEADED_HEAD) and text.endswith("?\nA:")
+            assert text.index("Question: ") < text.index("\nQ: ")
+        elif g == "multiturn":  # earlier turns with the assistant's answers, then the next question
+            assert text.count("Assistant:") >= 2 and text.endswith("Assistant:")
         else:
             assert text.endswith("?\nAnswer:") and "Question: " in text
         if g == "headed":

@@ -14,6 +14,13 @@ KL(exact || reused)) and kept per r-bucket (the profile's table rows).
   has agreed in that bucket, else to half the failed depth (a few failures reach a safe depth, not
   one layer per failure); the bucket is then on probation again at the new depth. Depths never
   rise again.
+
+This holds whoever made the profile: a shipped one (beside the model), one passed as a file, or a
+first-run one (only the probation's default length differs: engine.py). A profile of the ``exact``
+criterion (calibrated so that answers equal cache off's, within its tolerance) is held to that
+promise here too: a disagreement is a top-1 agreement below ``1 - tolerance`` (any changed position
+at tolerance 0), whatever the configured ``min_agreement`` allows for other criteria. Each lowering
+is logged (a WARNING naming the profile, the bucket, the depths) and kept in ``history``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .profile import BicacheProfile
+from .profile import CRITERION_EXACT, BicacheProfile
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +79,10 @@ class DepthAudit:
             raise ValueError(f"audit min_agreement must be in [0, 1], got {min_agreement}")
         if probation < 0:
             raise ValueError(f"audit probation must be >= 0, got {probation}")
+        if profile.criterion == CRITERION_EXACT:  # the profile's own promise (its tolerance)
+            min_agreement = max(min_agreement, 1.0 - float(profile.threshold))
         self.rate, self.min_agreement, self.probation = rate, min_agreement, probation
+        self.source = f"{profile.model or 'unnamed'} ({profile.criterion})"
         self._buckets = [_Bucket(r / 100.0, b, b) for r, b in profile.table]
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -135,8 +145,8 @@ class DepthAudit:
 
     def _changed(self, b: _Bucket, old: int, new: int, r: float, agree: float, kl: float) -> None:
         log.warning("bicache audit: at r=%.2f the reused forward agreed with the exact one on %.0f%% of masked "
-                    "positions (KL %.3g) < %.0f%%: bucket r >= %.2f goes from depth %d to %d (on probation)",
-                    r, 100 * agree, kl, 100 * self.min_agreement, b.r_lo, old, new)
+                    "positions (KL %.3g) < %.0f%%: bucket r >= %.2f of the profile %s goes from depth %d to %d "
+                    "(on probation)", r, 100 * agree, kl, 100 * self.min_agreement, b.r_lo, self.source, old, new)
         self.changes += 1
         self.history.append({"r_from": b.r_lo, "from": old, "to": new, "at_r": round(r, 6),
                              "top1_agreement": agree})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,89 @@ PROFILE_FILENAME = "bicache_profile.json"
 # Special values of --bicache-profile / EngineConfig.bicache_profile (anything else is a file):
 PROFILE_AUTO = "auto"  # calibrate at start-up (cached on disk): bicache_sgl.calibration.auto
 PROFILE_NONE = "none"  # no profile: depth 0, prefixes are matched but never reused
+# The criterion whose depth means "equal to cache off": per bucket, the deepest d at which every
+# measured sample's greedy answer (the whole generated region) equals cache off's at every depth
+# 0..d, with a 95% upper bound on the flip rate (issue 34). Its per-bucket counts travel in the
+# profile ("buckets"), so a tolerance chosen at serving time re-derives the table from them.
+CRITERION_EXACT = "exact"
+CONFIDENCE = 0.95
+# The bound a bucket's depth must reach to be taken at all: with no disagreement in n samples, the
+# 95% upper bound on the flip rate is ~3/n, so a depth above 0 needs n >= 59 samples in its bucket
+# (docs/calibration.md promises this bound, per bucket, for every exact profile).
+MAX_BOUND = 0.05
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), in log space (no overflow for large n)."""
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 1.0 if k >= n else 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    total = 0.0
+    for i in range(0, min(k, n) + 1):
+        total += math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq)
+    return min(total, 1.0)
+
+
+def flip_bound(k: int, n: int, confidence: float = CONFIDENCE) -> float:
+    """One-sided Clopper-Pearson upper bound on a flip rate after ``k`` disagreements in ``n``
+    samples: the p at which seeing <= k flips has probability 1 - confidence. k = 0 gives
+    1 - (1 - confidence)^(1/n), about 3/n at 95%. No samples: 1.0 (nothing is known)."""
+    if n <= 0:
+        return 1.0
+    if k >= n:
+        return 1.0
+    alpha = 1.0 - confidence
+    lo, hi = k / n, 1.0
+    for _ in range(60):  # bisection: the CDF falls as p grows
+        mid = (lo + hi) / 2
+        if _binom_cdf(k, n, mid) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def tolerated(k: int, n: int, tolerance: float, max_bound: float = MAX_BOUND) -> bool:
+    """Whether ``k`` disagreements in ``n`` samples pass at ``tolerance`` (a tolerated flip rate).
+    0 (the default): exact, no sample disagrees, and there are enough samples that the 95% bound on
+    the flip rate is at most ``max_bound``. Above 0 it also passes when the 95% bound with the k
+    disagreements seen is at most the tolerance (so a tolerance only ever adds passes: a small,
+    disagreement-free sample passes or fails as it does at 0)."""
+    if n <= 0:
+        return False
+    if k == 0 and flip_bound(0, n) <= max_bound + 1e-12:
+        return True
+    return tolerance > 0 and flip_bound(k, n) <= tolerance + 1e-12
+
+
+def depth_for_tolerance(disagreements_by_depth: list[int], n: int, tolerance: float,
+                        max_bound: float = MAX_BOUND) -> int:
+    """The deepest d such that the samples that disagree with cache off at some depth 0..d
+    (``disagreements_by_depth[d]``, non-decreasing in d; index 0 is cache off itself) pass at
+    ``tolerance``. Depths past the list were not measured and are never taken."""
+    best = 0
+    for d, k in enumerate(disagreements_by_depth):
+        if d > 0 and not tolerated(int(k), n, tolerance, max_bound):
+            break
+        best = d
+    return best
+
+
+def bucket_depth(disagreements_by_depth: list[int], n: int, tolerance: float,
+                 max_bound: float = MAX_BOUND) -> int | None:
+    """A bucket's verdict: ``depth_for_tolerance``, except that a bucket too small for the bound
+    (``flip_bound(0, n) > max_bound``) whose samples all agree at depth 1 gives no verdict (None: no
+    table entry; lookup falls back to the next lower bucket) rather than 0, which would pull every
+    lower bucket down to 0 through the monotone table for want of samples, not for a disagreement.
+    A disagreement at depth 1 is a verdict whatever n: 0."""
+    d = depth_for_tolerance(disagreements_by_depth, n, tolerance, max_bound)
+    if d == 0 and len(disagreements_by_depth) > 1 and n > 0:
+        k1 = int(disagreements_by_depth[1])
+        if k1 == 0 or (tolerance > 0 and flip_bound(k1, n) <= tolerance):
+            return None  # it agreed at depth 1: too few samples for a bound, not evidence against reuse
+    return d
 
 
 @dataclass(frozen=True)
@@ -77,6 +161,31 @@ class BicacheProfile:
             low = int(b) if low is None else min(low, int(b))
             out.append((float(r), low))
         return out[::-1]
+
+    def at_tolerance(self, tolerance: float) -> BicacheProfile:
+        """This profile's table re-derived for a tolerated flip rate, from the per-bucket counts an
+        ``exact`` profile carries (``buckets``: r, n, disagreements_by_depth). A profile without
+        them (another criterion, an older file) is returned unchanged: its table stands."""
+        buckets = self.extra.get("buckets")
+        if self.criterion != CRITERION_EXACT or not buckets:
+            return self
+        if float(self.extra.get("tolerance", 0.0)) == float(tolerance):
+            return self
+        entries: list[tuple[float, int]] = [(0.0, 0)]
+        for bk in buckets:
+            if not bk.get("n"):
+                continue
+            d = bucket_depth(list(bk["disagreements_by_depth"]), int(bk["n"]), tolerance,
+                             float(self.extra.get("max_bound", MAX_BOUND)))
+            if d is None:
+                continue
+            entries = [(r, b) for r, b in entries if r != float(bk["r"])] + [(float(bk["r"]), d)]
+        table = tuple(self.monotone(sorted(entries)))
+        log.info("bicache profile %s at tolerance %g: r%% -> depth %s (the file's, at tolerance %g: %s)",
+                 self.model, tolerance, [list(e) for e in table], float(self.extra.get("tolerance", 0.0)),
+                 [list(e) for e in self.table])
+        return BicacheProfile(table=table, n_layers=self.n_layers, model=self.model, criterion=self.criterion,
+                              threshold=tolerance, extra={**self.extra, "tolerance": tolerance})
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_layers": self.n_layers, "criterion": self.criterion,

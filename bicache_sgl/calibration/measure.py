@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..bicache.profile import BicacheProfile
+from ..bicache.profile import MAX_BOUND, BicacheProfile, bucket_depth, flip_bound
 from .data import (
     DEFAULT_CACHED_CONTEXT,
     DEFAULT_FRACTIONS,
@@ -174,6 +174,38 @@ def depth_from_agreement(agr: Sequence[float], min_agreement: float) -> int:
             break
         best = d
     return best
+
+
+def first_flip(outs: Sequence[Sequence[int]]) -> int:
+    """``outs[d]``: one sample's greedy output at depth d (``outs[0]``: cache off). The first depth
+    whose output is not token for token cache off's (the whole generated region: past EOS too when
+    the request ignored EOS); ``len(outs)`` if every measured depth equals it."""
+    ref = list(outs[0])
+    for d in range(1, len(outs)):
+        if list(outs[d]) != ref:
+            return d
+    return len(outs)
+
+
+def exact_bucket(flips: Sequence[tuple[int, int]], tolerance: float = 0.0,
+                 max_bound: float = MAX_BOUND) -> dict | None:
+    """The ``exact`` criterion's verdict on one bucket. ``flips``: per sample (its ``first_flip``,
+    the deepest depth measured for it). A sample that first differs at depth f disagrees at every
+    depth >= f ("equal at every depth 0..d"). Returns the bucket's JSON (n, the depth, the
+    disagreements there, their 95% flip-rate bound (a depth above 0 needs it <= ``max_bound``, or
+    <= ``tolerance``), and the disagreements at each depth 0..top,
+    from which ``BicacheProfile.at_tolerance`` re-derives the depth), or None without samples.
+    The depth is None (no verdict, no table entry) where every sample agreed at depth 1 but there
+    are too few of them for the bound (``bicache.profile.bucket_depth``)."""
+    if not flips:
+        return None
+    n = len(flips)
+    top = min(t for _, t in flips)
+    by_depth = [sum(1 for f, _ in flips if f <= d) for d in range(top + 1)]
+    depth = bucket_depth(by_depth, n, tolerance, max_bound)
+    k = by_depth[depth or 0]
+    return {"n": n, "depth": depth, "disagreements": k, "flip_bound95": round(flip_bound(k, n), 5),
+            "measured_depth": top, "disagreements_by_depth": by_depth}
 
 
 def safe_table(fractions: Sequence[float], raw: Sequence[int | None]) -> list[tuple[float, int]]:

@@ -2,13 +2,20 @@
 
 No model hub and no network: the words come from a small built-in list plus, where the tokenizer
 has them, whole-word tokens of its own vocabulary (a BPE vocabulary's space-prefixed alphabetic
-tokens). Two shapes, each a group of its own (the auto-calibration takes the minimum depth over
-groups, so either shape alone can lower a bucket):
+tokens). Six shapes, each a group of its own (the auto-calibration counts a disagreement in any
+shape, so every shape can lower a bucket):
 
 - ``text``: a document (sentences of random words) followed by a question whose last token is a
   number (so the shared prefix, which always leaves the prompt's last token, never holds it);
 - ``fewshot``: a fixed instruction, a few ``Question: ...\\nAnswer: ...`` examples and a final
-  ``Question: ... N?\\nAnswer:``, the shape of SGLang's few-shot scripts.
+  ``Question: ... N?\\nAnswer:``, the shape of SGLang's few-shot scripts;
+- ``chat``: a system turn holding a document and a user question about one of its parts, through
+  the tokenizer's chat template;
+- ``headed``: a shared head ("You are a helpful assistant. ...") in front of a document and
+  few-shot examples;
+- ``twoblock``: the shared head, few-shot examples of one kind, then examples of another kind and a
+  question of that second kind (a suffix that changes what the prefix means);
+- ``multiturn``: a conversation with earlier answers, then the next question.
 
 Every prompt's question differs from its neighbours' in its last tokens (a different number, other
 words), so the ``first_request`` cached context always has a different question to put after the
@@ -150,7 +157,47 @@ def _headed_prompt(w: _Writer, target: int, digit: str) -> str:
     return HEADED_HEAD + system + "".join(shots) + final
 
 
-SHAPES = ("text", "fewshot", "chat", "headed")
+def _twoblock_prompt(w: _Writer, target: int, digit: str) -> str:
+    """A shared head, few-shot examples of one kind, then examples of another kind (answers of
+    another form) and a question of that second kind: a suffix that changes what the first block
+    means for the answer."""
+    final = f"Q: {w.phrase(2, 5)} {digit}?\nA:"
+    first: list[str] = []
+    second: list[str] = []
+    while w.n_tokens(HEADED_HEAD + "".join(first + second) + final) < target:
+        if len(first) <= len(second):
+            first.append(f"Question: {w.phrase(3, 8)}?\nAnswer: {w.phrase(1, 3)}\n\n")
+        else:
+            second.append(f"Q: {w.phrase(2, 6)}?\nA: {w.rng.choice(_DIGITS)}\n\n")
+    return HEADED_HEAD + "".join(first + second) + final
+
+
+def _multiturn(tokenizer, system: str, turns: list[tuple[str, str]], user: str) -> str:
+    msgs = [{"role": "system", "content": system}]
+    for u, a in turns:
+        msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    msgs.append({"role": "user", "content": user})
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if isinstance(text, str) and user in text:
+            return text
+    except Exception:  # no template: the plain one below
+        pass
+    body = "".join(f"User: {u}\n\nAssistant: {a}\n\n" for u, a in turns)
+    return f"System: {system}\n\n{body}User: {user}\n\nAssistant:"
+
+
+def _multiturn_prompt(w: _Writer, target: int, digit: str) -> str:
+    """A conversation with the model's earlier answers, then the next question."""
+    system = "You are a helpful assistant."
+    user = f"And the {w.phrase(1, 3)}? Answer with the number {digit}"
+    turns: list[tuple[str, str]] = []
+    while w.n_tokens(_multiturn(w.tok, system, turns, user)) < target:
+        turns.append((w.sentence(), w.rng.choice([w.rng.choice(_DIGITS), w.sentence()])))
+    return _multiturn(w.tok, system, turns, user)
+
+
+SHAPES = ("text", "fewshot", "chat", "headed", "twoblock", "multiturn")
 
 
 def synthesize(tokenizer, num_prompts: int = 16, *, min_tokens: int = 128, max_tokens: int = 320,
@@ -174,6 +221,10 @@ def synthesize(tokenizer, num_prompts: int = 16, *, min_tokens: int = 128, max_t
             out.append((shape, _fewshot_prompt(w, target, digit, header)))
         elif shape == "chat":
             out.append((shape, _chat_prompt(w, target, digit)))
+        elif shape == "twoblock":
+            out.append((shape, _twoblock_prompt(w, target, digit)))
+        elif shape == "multiturn":
+            out.append((shape, _multiturn_prompt(w, target, digit)))
         else:
             out.append((shape, _headed_prompt(w, target, digit)))
     return out
