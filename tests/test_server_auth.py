@@ -27,7 +27,7 @@ def rt(tmp_path_factory):
     model = make_tiny_llada(folder, seed=3)
     with Runtime(model_path=model, api_key=KEY, admin_api_key=ADMIN, incremental_streaming_output=True,
                  disable_radix_cache=True, block_length=8, steps_per_block=4, threshold="none", num_threads=1,
-                 max_queued_requests=3,
+                 max_queued_requests=3, max_running_requests=1,
                  timeout=180, log_path=str(folder / "server.log")) as runtime:
         yield runtime
     assert runtime.proc is None
@@ -171,9 +171,11 @@ STREAM = {"text": "bystander", "sampling_params": {"max_new_tokens": 96, "temper
           "stream": True}
 
 
-def _open_stream(rt, headers=AUTH):
+def _open_stream(rt, headers=AUTH, max_new_tokens=None):
     """A bystander's stream, read up to its first chunk (so it is running on the server)."""
-    r = requests.post(rt.url + "/generate", json=STREAM, headers=headers, stream=True, timeout=120)
+    body = STREAM if max_new_tokens is None else {
+        **STREAM, "sampling_params": {**STREAM["sampling_params"], "max_new_tokens": max_new_tokens}}
+    r = requests.post(rt.url + "/generate", json=body, headers=headers, stream=True, timeout=120)
     assert r.status_code == 200
     lines = r.iter_lines(decode_unicode=True)
     first = next(json.loads(ln[5:]) for ln in lines if ln.startswith("data:"))
@@ -242,3 +244,71 @@ def test_hang_up_aborts_own_request_without_admin_key(rt):
     again = requests.post(rt.url + "/generate", json={"text": "x", "rid": "hang-up-own", "sampling_params": {
         "max_new_tokens": 1}}, headers=AUTH, timeout=60)
     assert again.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# /v1/completions with max_tokens 0, echo and logprobs: lm-eval's scoring call
+# ------------------------------------------------------------------------------------------------
+
+def test_echo_with_zero_tokens_scores_the_prompt(rt):
+    """OpenAI's meaning: the prompt's own logprobs, left to right (entry i = log p(token i |
+    tokens before it), the first null), nothing generated. Each entry equals the native input
+    logprob of that position scored alone (logprob_start_len = i). The prompt is three tokens: its
+    two scoring requests fit this server's queue of three (--max-queued-requests)."""
+    prompt = "Que"
+    r = requests.post(rt.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == len(lp["tokens"])
+    assert "".join(lp["tokens"]) == prompt and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ids = requests.post(rt.url + "/generate", headers=AUTH, timeout=60, json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 0}}).json()["meta_info"]["prompt_tokens"]
+    assert ids == len(lp["tokens"])
+    for i in range(1, len(lp["tokens"])):
+        native = requests.post(rt.url + "/generate", headers=AUTH, timeout=60, json={
+            "text": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": i}).json()["meta_info"]["input_token_logprobs"][0][0]
+        assert lp["token_logprobs"][i] == pytest.approx(native, abs=1e-5), i
+        assert len(lp["top_logprobs"][i]) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_scoring_aborted_by_the_admin_is_an_abort_not_a_500(rt, stream):
+    """The scoring requests of an echo call wait behind a running request (one slot); the admin's
+    abort_all ends them before their forward. The answer is the abort (200, finish_reason abort,
+    no made-up logprobs), not a 500 (it was an IndexError)."""
+    import threading
+
+    r, lines, first = _open_stream(rt, max_new_tokens=2000)  # holds the only running slot until aborted
+    got: dict = {}
+
+    def echo() -> None:
+        got["r"] = requests.post(rt.url + "/v1/completions", headers=AUTH, timeout=120, json={
+            "prompt": "Que", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream})
+
+    th = threading.Thread(target=echo)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while rt.internal_state()["num_waiting_reqs"] == 0:
+            assert time.monotonic() < deadline, "the scoring requests never queued"
+            time.sleep(0.02)
+        assert requests.post(rt.url + "/abort_request", json={"abort_all": True}, headers=ADMIN_AUTH,
+                             timeout=30).status_code == 200
+        th.join(60)
+        _finish(lines, first)
+    finally:
+        r.close()
+    resp = got["r"]
+    assert resp.status_code == 200, resp.text[:500]
+    if stream:
+        frames = [ln[5:].strip() for ln in resp.text.splitlines() if ln.startswith("data:")]
+        assert frames[-1] == "[DONE]"
+        choice = json.loads(frames[0])["choices"][0]
+    else:
+        choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["logprobs"] is None and choice["text"] == "Que"
