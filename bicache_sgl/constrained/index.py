@@ -40,6 +40,8 @@ class Limits:
     max_states: int = 200_000  # DFA states
     max_token_edges: int = 50_000_000  # (state, token) transitions before compression
     max_class_edges: int = 500_000  # (state, token class) transitions: the DP's work per position
+    max_schema_nodes: int = 20_000  # subschemas, properties and enum/const values of one JSON schema (up front)
+    max_schema_properties: int = 100  # properties of one object schema (up front: optional ones nest the regex)
     isolate: bool = True  # build in the worker process (time and memory enforced)
 
 
