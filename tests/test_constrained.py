@@ -684,3 +684,35 @@ def test_schema_size_limits_refused_up_front(byte_tok):
 def test_in_process_build(byte_tok):
     c = compile_constraint("regex", "x[0-9]", byte_tok, limits=Limits(isolate=False))
     assert c.matches(byte_tok.encode("x5", add_special_tokens=False))
+
+
+def test_build_worker_over_its_memory_bound_is_restarted(byte_tok, monkeypatch):
+    """A worker keeps the heap of its largest build; past BUILD_WORKER_MAX_RSS_MB
+    (BICACHE_SGL_BUILD_WORKER_MAX_RSS_MB) it is stopped after the build and the next build starts
+    a fresh one, so the workers' memory settles. Under the bound it is kept."""
+    from bicache_sgl.constrained import index
+
+    compile_constraint("regex", "[0-9]{2}q", byte_tok)  # a worker is running
+    alive = [w for w in index._WORKERS._all if w.proc is not None]
+    assert alive
+    monkeypatch.setattr(index, "BUILD_WORKER_MAX_RSS_MB", 1)  # every worker is over 1 MiB
+    for k in range(index.BUILD_WORKERS):  # the pool hands its workers out in turn: each builds once
+        compile_constraint("regex", f"[0-9]{{{k + 3}}}q", byte_tok)
+    assert index._WORKERS.alive() == 0
+    monkeypatch.setattr(index, "BUILD_WORKER_MAX_RSS_MB", 1 << 20)
+    c = compile_constraint("regex", "[0-9]{9}q", byte_tok)  # a fresh worker builds it
+    assert c.matches(byte_tok.encode("123456789q", add_special_tokens=False))
+    assert index._WORKERS.alive() >= 1
+
+
+def test_memory_bounds_read_from_the_environment(monkeypatch):
+    from bicache_sgl.constrained.index import env_int
+
+    monkeypatch.setenv("BICACHE_SGL_TEST_BOUND", "12")
+    assert env_int("BICACHE_SGL_TEST_BOUND", 5) == 12
+    monkeypatch.delenv("BICACHE_SGL_TEST_BOUND")
+    assert env_int("BICACHE_SGL_TEST_BOUND", 5) == 5
+    for bad in ("0", "-3", "lots"):
+        monkeypatch.setenv("BICACHE_SGL_TEST_BOUND", bad)
+        with pytest.raises(ValueError, match="BICACHE_SGL_TEST_BOUND must be an integer >= 1"):
+            env_int("BICACHE_SGL_TEST_BOUND", 5)

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from . import index
 from .constraint import Constraint, ConstraintState
 from .errors import ConstraintError, NoCompletion
 from .index import Limits, build_index, cache_info, shutdown_worker
@@ -73,8 +74,8 @@ KINDS = ("regex", "json_schema", "json_object", "choices")
 
 _CACHE: OrderedDict[tuple, Constraint | ConstraintError] = OrderedDict()
 _LOCK = threading.Lock()
-CACHE_SIZE = 64  # entries
-CACHE_EDGES = 4_000_000  # class edges held by cached constraints, all together
+CACHE_SIZE = index.CACHE_SIZE  # entries (BICACHE_SGL_CONSTRAINT_CACHE_ENTRIES, docs/reliability.md)
+CACHE_EDGES = index.CACHE_EDGES  # class edges held by cached constraints, together (..._CACHE_EDGES)
 
 
 def constraint_regex(kind: str, spec: Any) -> str:
