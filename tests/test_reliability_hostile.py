@@ -274,7 +274,9 @@ def test_hostile_load_with_constraints_harms_no_bystander(server):
     assert not wrong, f"{len(wrong)} of {len(refs)} bystanders answered differently (or not at all): {wrong[:5]}"
     not_refused = [s for s in statuses if s[0] in ADMIN_ONLY_KINDS and s[1] != 401]
     assert not not_refused, not_refused[:10]  # the API key never aborts or flushes anything
-    assert all(s[1] == 200 for s in statuses if s[0] == "echo0"), [s for s in statuses if s[0] == "echo0"][:10]
+    # the scoring call is answered (503 "overloaded" when its per-position requests do not fit the queue)
+    echo = [s[1] for s in statuses if s[0] == "echo0"]
+    assert all(s in (200, 503) for s in echo) and (not echo or 200 in echo), sorted(set(map(str, echo)))
     idle = wait_idle(rt, timeout=60)
     assert_pool_integrity(idle)
     assert requests.get(url + "/health", timeout=30).status_code == 200
