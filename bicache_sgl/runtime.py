@@ -128,7 +128,8 @@ class Runtime:
 
     Attributes: ``url`` (``http://127.0.0.1:PORT``), ``port``, ``endpoint`` (an
     ``sglang.RuntimeEndpoint``, created on first use), ``log_path`` (the child's output),
-    ``api_key``. ``shutdown()`` (also on exit and ``with``) stops the child.
+    ``api_key``, ``admin_api_key`` (sent on the admin routes: ``flush_cache``). ``shutdown()``
+    (also on exit and ``with``) stops the child.
     """
 
     def __init__(self, model_path: str | None = None, *, host: str = "127.0.0.1", port: int | None = None,
@@ -137,6 +138,7 @@ class Runtime:
         self.host = host
         self.port = port or find_free_port(host)
         self.api_key = server_args.get("api_key")
+        self.admin_api_key = server_args.get("admin_api_key")
         h = f"[{host}]" if ":" in host else host
         self.url = f"http://{h}:{self.port}"
         self.generate_url = self.url + "/generate"
@@ -224,9 +226,11 @@ class Runtime:
         return self.request("/get_model_info", timeout=60)
 
     def flush_cache(self, timeout: float | None = None) -> Any:
-        """POST /flush_cache; with ``timeout`` the server retries that long while requests run."""
-        return self.request("/flush_cache" + ("" if timeout is None else f"?timeout={timeout:g}"), method="POST",
-                            timeout=None if timeout is None else timeout + 30)
+        """POST /flush_cache; with ``timeout`` the server retries that long while requests run. An
+        admin route: it takes the admin key when the server has one (docs/server.md)."""
+        return http_json(self.url + "/flush_cache" + ("" if timeout is None else f"?timeout={timeout:g}"),
+                         method="POST", api_key=self.admin_api_key or self.api_key,
+                         timeout=None if timeout is None else timeout + 30)
 
     def cache_prefix(self, prefix: str) -> None:
         self.generate(prefix, {"max_new_tokens": 0})

@@ -117,6 +117,37 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         s.close()
 
 
+def rss_by_process(pid: int) -> dict[str, int]:
+    """Resident set size (bytes) of each process of a server's tree, by role: ``server`` (the
+    HTTP process), ``engine`` (its spawned engine process), ``build workers`` (the constraint
+    build worker processes of either, ``constrained/_indexer.py``; summed), ``other``. Processes
+    that exit while being read are skipped."""
+    import psutil  # type: ignore[import-not-found]  # a dev dependency (the suite's RSS readings)
+
+    out = {"server": 0, "engine": 0, "build workers": 0, "other": 0}
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            rss = p.memory_info().rss
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if p.pid == pid:
+            role = "server"
+        elif "_indexer.py" in cmd:
+            role = "build workers"
+        elif "multiprocessing" in cmd or "spawn_main" in cmd:
+            role = "engine"
+        else:
+            role = "other"
+        out[role] += rss
+    return out
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.0f}"
+
+
 def log_has_no_server_errors(rt: Any) -> None:
     log = rt.log_text()
     assert "Traceback" not in log, log[-4000:]

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # option strings -> (dest, default, choices), as `python -m bicache_sgl.launch_server --help` had them
 SERVER_FLAGS: dict[str, tuple] = {
     "--api-key": ("api_key", None, None),
+    "--admin-api-key": ("admin_api_key", None, None),
     "--attention-backend": ("attention_backend", "torch", None),
     "--bicache-audit-min-agreement": ("bicache_audit_min_agreement", 0.9, None),
     "--bicache-audit-probation": ("bicache_audit_probation", None, None),

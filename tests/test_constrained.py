@@ -619,15 +619,17 @@ def test_pathological_regex_is_bounded(byte_tok):
     with pytest.raises(ConstraintError, match="regex too complex"):
         compile_constraint("regex", "(?:a{1000}){1000}", byte_tok)
     assert time.perf_counter() - t < 0.5
+    # written out instead of (a|b){24}: the up-front estimate probes counted repeats only, so these
+    # reach the build worker, whose time and memory limits stop them
     t = time.perf_counter()
     with pytest.raises(ConstraintError, match="regex too complex.*longer than 1 s"):
-        compile_constraint("regex", "(a|b)*a(a|b){24}", byte_tok, limits=Limits(build_timeout_s=1.0))
+        compile_constraint("regex", "(a|b)*a" + "(a|b)" * 24, byte_tok, limits=Limits(build_timeout_s=1.0))
     assert time.perf_counter() - t < 5
     with pytest.raises(ConstraintError, match="regex too complex.*memory"):
-        compile_constraint("regex", "(a|b)*a(a|b){19}", byte_tok, limits=Limits(build_memory_mb=48))
+        compile_constraint("regex", "(a|b)*a" + "(a|b)" * 19, byte_tok, limits=Limits(build_memory_mb=48))
     t = time.perf_counter()  # the refusal is cached
     with pytest.raises(ConstraintError, match="regex too complex"):
-        compile_constraint("regex", "(a|b)*a(a|b){24}", byte_tok, limits=Limits(build_timeout_s=1.0))
+        compile_constraint("regex", "(a|b)*a" + "(a|b)" * 24, byte_tok, limits=Limits(build_timeout_s=1.0))
     assert time.perf_counter() - t < 0.1
     with pytest.raises(ConstraintError, match="DFA states"):
         compile_constraint("regex", "(a|b)*a(a|b){8}", byte_tok, limits=Limits(max_states=100))
@@ -635,6 +637,82 @@ def test_pathological_regex_is_bounded(byte_tok):
     assert compile_constraint("regex", "[ab]{2}", byte_tok).matches(byte_tok.encode("ab", add_special_tokens=False))
 
 
+@pytest.mark.parametrize("rx,states", [("(a|b)*a(a|b){24}", 2**25), ("(c|q)*c(c|q){17}", 2**18),
+                                       ("x(?:[ab]*a[ab]{30})y", 2**31)])
+def test_exponential_regex_refused_before_any_build(byte_tok, rx, states):
+    """A counted repeat after an unbounded one doubles the DFA with each repetition: the
+    estimate (constrained/estimate.py) finds it before the build, so no build worker is used and
+    the index cache is untouched; the message names the limit and the estimated size."""
+    from bicache_sgl.constrained import cache_info
+
+    before = cache_info()["constraint_index_cache_entries"]
+    with pytest.raises(ConstraintError, match=r"regex too complex: its automaton would have about .* states "
+                                              r"\(limit 200000, estimated before building") as e:
+        compile_constraint("regex", rx, byte_tok)
+    est = float(str(e.value).split("about ")[1].split(" states")[0])
+    assert states / 2 <= est <= states * 2, (est, states)
+    assert cache_info()["constraint_index_cache_entries"] == before  # nothing was built
+    with pytest.raises(ConstraintError, match="estimated before building"):  # refused again (remembered)
+        compile_constraint("regex", rx, byte_tok)
+
+
+@pytest.mark.parametrize("rx", ["(c|q)*c(c|q){12}", "[0-9]{2000}", "(abc|abd){500}x", "a{3}(b|c){40}d*"])
+def test_legitimate_regexes_pass_the_estimate(byte_tok, rx):
+    """Under the limit, or large but not exponential: built and matched as before."""
+    c = compile_constraint("regex", rx, byte_tok)
+    assert c.index.n_states <= Limits().max_states
+
+
+def test_schema_size_limits_refused_up_front(byte_tok):
+    from bicache_sgl.constrained import cache_info
+
+    before = cache_info()["constraint_index_cache_entries"]
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(101)}}
+    with pytest.raises(ConstraintError, match=r"101 properties \(limit 100 per object, max_schema_properties"):
+        compile_constraint("json_schema", wide, byte_tok)
+    huge = {"type": "object", "properties": {"a": {"enum": list(range(30_000))}}}
+    with pytest.raises(ConstraintError, match=r"more than 20000 values .*max_schema_nodes"):
+        compile_constraint("json_schema", json.dumps(huge), byte_tok)
+    assert cache_info()["constraint_index_cache_entries"] == before
+    # at the limits: still compiled (and each limit is a Limits field a caller may raise)
+    ok = {"type": "object", "properties": {f"p{i}": {"type": "boolean"} for i in range(20)}, "required": ["p0"]}
+    assert compile_constraint("json_schema", ok, byte_tok).n_edges > 0
+    with pytest.raises(ConstraintError, match=r"20 properties \(limit 5 per object"):  # a caller's own limit
+        compile_constraint("json_schema", ok, byte_tok, limits=Limits(max_schema_properties=5))
+
+
 def test_in_process_build(byte_tok):
     c = compile_constraint("regex", "x[0-9]", byte_tok, limits=Limits(isolate=False))
     assert c.matches(byte_tok.encode("x5", add_special_tokens=False))
+
+
+def test_build_worker_over_its_memory_bound_is_restarted(byte_tok, monkeypatch):
+    """A worker keeps the heap of its largest build; past BUILD_WORKER_MAX_RSS_MB
+    (BICACHE_SGL_BUILD_WORKER_MAX_RSS_MB) it is stopped after the build and the next build starts
+    a fresh one, so the workers' memory settles. Under the bound it is kept."""
+    from bicache_sgl.constrained import index
+
+    compile_constraint("regex", "[0-9]{2}q", byte_tok)  # a worker is running
+    alive = [w for w in index._WORKERS._all if w.proc is not None]
+    assert alive
+    monkeypatch.setattr(index, "BUILD_WORKER_MAX_RSS_MB", 1)  # every worker is over 1 MiB
+    for k in range(index.BUILD_WORKERS):  # the pool hands its workers out in turn: each builds once
+        compile_constraint("regex", f"[0-9]{{{k + 3}}}q", byte_tok)
+    assert index._WORKERS.alive() == 0
+    monkeypatch.setattr(index, "BUILD_WORKER_MAX_RSS_MB", 1 << 20)
+    c = compile_constraint("regex", "[0-9]{9}q", byte_tok)  # a fresh worker builds it
+    assert c.matches(byte_tok.encode("123456789q", add_special_tokens=False))
+    assert index._WORKERS.alive() >= 1
+
+
+def test_memory_bounds_read_from_the_environment(monkeypatch):
+    from bicache_sgl.constrained.index import env_int
+
+    monkeypatch.setenv("BICACHE_SGL_TEST_BOUND", "12")
+    assert env_int("BICACHE_SGL_TEST_BOUND", 5) == 12
+    monkeypatch.delenv("BICACHE_SGL_TEST_BOUND")
+    assert env_int("BICACHE_SGL_TEST_BOUND", 5) == 5
+    for bad in ("0", "-3", "lots"):
+        monkeypatch.setenv("BICACHE_SGL_TEST_BOUND", bad)
+        with pytest.raises(ValueError, match="BICACHE_SGL_TEST_BOUND must be an integer >= 1"):
+            env_int("BICACHE_SGL_TEST_BOUND", 5)

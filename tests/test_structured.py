@@ -405,6 +405,11 @@ def test_native_generate_constraints_stream_and_finish_reasons(server, fewshot):
 
 BAD_NATIVE = [({"regex": "(a"}, "regex: invalid regex: missing )"),
               ({"regex": "(?:a{1000}){1000}"}, "regex too complex"),
+              # refused up front (no build worker used), naming the limit: was a 400 only after ~30 s
+              ({"regex": "(a|b)*a(a|b){25}"}, "regex too complex: its automaton would have about 6.71e+07 states "
+                                               "(limit 200000, estimated before building"),
+              ({"json_schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(101)}}},
+               "json_schema: JSON schema too large: an object schema has 101 properties (limit 100 per object"),
               ({"regex": r"\bword"}, "regex: invalid regex: word boundaries"),
               ({"json_schema": '{"type": "strin"}'}, "json_schema: invalid JSON schema"),
               ({"json_schema": {"type": "object", "patternProperties": {}}}, "json_schema: unsupported JSON-schema "

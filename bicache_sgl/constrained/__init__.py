@@ -43,10 +43,11 @@ from typing import Any
 
 import torch
 
+from . import index
 from .constraint import Constraint, ConstraintState
 from .errors import ConstraintError, NoCompletion
 from .index import Limits, build_index, cache_info, shutdown_worker
-from .json_schema import json_object_regex, schema_to_regex
+from .json_schema import check_schema_size, json_object_regex, schema_to_regex
 from .regex import choices_regex, escape, prepare_regex
 from .vocab import TokenTable, token_table
 
@@ -71,10 +72,10 @@ __all__ = [
 
 KINDS = ("regex", "json_schema", "json_object", "choices")
 
-_CACHE: OrderedDict[tuple, Constraint] = OrderedDict()
+_CACHE: OrderedDict[tuple, Constraint | ConstraintError] = OrderedDict()
 _LOCK = threading.Lock()
-CACHE_SIZE = 64  # entries
-CACHE_EDGES = 4_000_000  # class edges held by cached constraints, all together
+CACHE_SIZE = index.CACHE_SIZE  # entries (BICACHE_SGL_CONSTRAINT_CACHE_ENTRIES, docs/reliability.md)
+CACHE_EDGES = index.CACHE_EDGES  # class edges held by cached constraints, together (..._CACHE_EDGES)
 
 
 def constraint_regex(kind: str, spec: Any) -> str:
@@ -124,18 +125,39 @@ def compile_constraint(kind: str, spec: Any, tokenizer, *, end_ids=None, limits:
         hit = _CACHE.get(key)
         if hit is not None:
             _CACHE.move_to_end(key)
+            if isinstance(hit, ConstraintError):  # refused before: refused again at once
+                raise ConstraintError(str(hit))
             return hit
     try:
-        regex = prepare_regex(constraint_regex(kind, spec), max_positions=limits.max_regex_positions)
-        c = Constraint(kind, regex, build_index(regex, table, limits), ends)
+        if kind == "json_schema":
+            check_schema_size(spec, max_nodes=limits.max_schema_nodes, max_properties=limits.max_schema_properties)
+        regex = prepare_regex(constraint_regex(kind, spec), max_positions=limits.max_regex_positions,
+                              max_states=limits.max_states)
     except RecursionError:  # a schema or regex nested past what the parsers recurse through
+        err = ConstraintError(f"{kind} too large: it nests more deeply than the server's parsers allow "
+                              f"(Python recursion limit {sys.getrecursionlimit()}); flatten it")
+        _remember(key, err)
+        raise err from None
+    except ConstraintError as e:  # refused up front (no build worker was used): remembered
+        _remember(key, e)
+        raise
+    try:
+        c = Constraint(kind, regex, build_index(regex, table, limits), ends)
+    except RecursionError:
         raise ConstraintError(f"{kind} too large: it nests more deeply than the server's parsers allow "
                               f"(Python recursion limit {sys.getrecursionlimit()}); flatten it") from None
-    with _LOCK:
-        _CACHE[key] = c
-        while len(_CACHE) > CACHE_SIZE or (len(_CACHE) > 1 and sum(x.n_edges for x in _CACHE.values()) > CACHE_EDGES):
-            _CACHE.popitem(last=False)
+    _remember(key, c)
     return c
+
+
+def _remember(key: tuple, value: Constraint | ConstraintError) -> None:
+    """Cache a compiled constraint or an up-front refusal (LRU, bounded by CACHE_SIZE entries and
+    CACHE_EDGES class edges; refusals hold no edges)."""
+    with _LOCK:
+        _CACHE[key] = value
+        while len(_CACHE) > CACHE_SIZE or (len(_CACHE) > 1 and sum(
+                x.n_edges for x in _CACHE.values() if isinstance(x, Constraint)) > CACHE_EDGES):
+            _CACHE.popitem(last=False)
 
 
 def constrained_decide(c: Constraint, st: ConstraintState, block_tokens: torch.Tensor, masked: torch.Tensor,

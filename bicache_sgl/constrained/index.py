@@ -40,6 +40,8 @@ class Limits:
     max_states: int = 200_000  # DFA states
     max_token_edges: int = 50_000_000  # (state, token) transitions before compression
     max_class_edges: int = 500_000  # (state, token class) transitions: the DP's work per position
+    max_schema_nodes: int = 20_000  # subschemas, properties and enum/const values of one JSON schema (up front)
+    max_schema_properties: int = 100  # properties of one object schema (up front: optional ones nest the regex)
     isolate: bool = True  # build in the worker process (time and memory enforced)
 
 
@@ -57,6 +59,39 @@ class IndexData:
     dst: np.ndarray
     token_edges: int
     build_s: float = 0.0
+
+
+def env_int(name: str, default: int) -> int:
+    """A memory bound a user sets in the environment (read once, at import; inherited by the
+    engine process and the build workers). A value that is not an integer >= 1 stops the import
+    with a message naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {raw!r}")
+    return value
+
+
+# A build worker keeps the heap of its largest build (77 MiB after a 2^16-state DFA, 122 MiB after
+# 2^17; 30 MiB fresh): one whose resident memory is past this after a build is restarted before the
+# next one (0.1 s, and the vocabulary sent again), so the workers' memory settles.
+BUILD_WORKER_MAX_RSS_MB = env_int("BICACHE_SGL_BUILD_WORKER_MAX_RSS_MB", 64)
+
+
+def _rss_mb(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) >> 10
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 class _Worker:
@@ -139,9 +174,19 @@ class _Worker:
         if status == "need_vocab":  # the worker restarted between calls
             self.vocab_key = None
             return self.build(table, regex, limits)
+        self.recycle_if_large()
         if status != "ok":
             raise ConstraintError(str(res))
         return res
+
+    def recycle_if_large(self) -> None:
+        """Stop the worker when a build left it holding more than BUILD_WORKER_MAX_RSS_MB (its
+        heap is not given back); the next build starts a fresh one."""
+        if self.proc is None:
+            return
+        rss = _rss_mb(self.proc.pid)
+        if rss is not None and rss > BUILD_WORKER_MAX_RSS_MB:
+            self.kill()
 
 
 BUILD_WORKERS = 2  # build worker processes: at most this many fresh builds run at once
@@ -180,8 +225,9 @@ _WORKERS = _WorkerPool(BUILD_WORKERS)
 _LOCK = threading.Lock()  # the cache and the in-flight table only, never held during a build
 _CACHE: OrderedDict[tuple, IndexData | ConstraintError] = OrderedDict()
 _INFLIGHT: dict[tuple, threading.Event] = {}  # a key being built: later callers wait for it
-CACHE_SIZE = 64  # entries
-CACHE_EDGES = 4_000_000  # class edges held by cached indexes, all together
+# the index cache (per process: the server's and the engine's): LRU, refusals included
+CACHE_SIZE = env_int("BICACHE_SGL_CONSTRAINT_CACHE_ENTRIES", 64)  # entries
+CACHE_EDGES = env_int("BICACHE_SGL_CONSTRAINT_CACHE_EDGES", 4_000_000)  # class edges of cached indexes, together
 
 
 def _cached(key: tuple) -> IndexData | None:

@@ -60,6 +60,9 @@ class ServerArgs(EngineConfig):
     served_model_name: str | None = option(None, "Model name reported on /v1/models (default: model path).")
     api_key: str | None = option(
         None, "Require 'Authorization: Bearer KEY' on every route except /health*, /ready and /metrics.")
+    admin_api_key: str | None = option(
+        None, "Admin key (SGLang's): once set, /abort_request, /flush_cache and the profiling routes accept only "
+              "this key, not --api-key (docs/server.md, Authentication).")
     log_level: str = option("info", "Log level of the server and engine processes.", parse=str.lower,
                             choices=LOG_LEVELS)
     incremental_streaming_output: bool = option(
@@ -146,6 +149,7 @@ class ServerArgs(EngineConfig):
         d = dataclasses.asdict(self)
         d.update(d.pop("decode"))
         d["api_key"] = "<redacted>" if self.api_key else None
+        d["admin_api_key"] = "<redacted>" if self.admin_api_key else None
         d["ignored_args"] = list(self.ignored_args)
         d["router_extra_args"] = redact_unknown(self.router_extra_args)
         d["prefix_cache"] = self.effective_prefix_cache()

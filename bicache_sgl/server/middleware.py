@@ -1,45 +1,62 @@
-"""The ASGI middleware in front of every route: API key, shutdown 503, body size limit, and
-per-route status counts for /metrics."""
+"""The ASGI middleware in front of every route: API and admin keys (bicache_sgl/server/auth.py),
+shutdown 503, body size limit, and per-route status counts for /metrics."""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from bicache_sgl.server.auth import OPEN_PREFIXES, AuthLevel, decide, presented_key, route_levels
 from bicache_sgl.server.protocol import APIError
 from bicache_sgl.server.responses import dumps, error_body
 from bicache_sgl.server.state import ServerState
 
-# never need the API key (SGLang's auth.py does the same): probes and scrapers have no key
-OPEN_PATHS = ("/health", "/health_generate", "/ready", "/metrics")
+OPEN_PATHS = OPEN_PREFIXES  # never need a key: probes and scrapers have none
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 
 class AuthAndCount:
-    """Pure ASGI middleware (no response buffering, streams untouched): the API key check and
+    """Pure ASGI middleware (no response buffering, streams untouched): the key checks and
     per-route status counts for /metrics."""
 
     def __init__(self, app: Any, state: ServerState):
         self.app = app
         self.state = state
         self._routes: set[str] | None = None
+        self._levels: dict[str, AuthLevel] | None = None
+
+    def _app_routes(self, scope: dict) -> list:
+        app = scope.get("app")
+        return app.router.routes if app is not None else []
 
     def _route_label(self, scope: dict) -> str:
         # a bounded label set: unknown paths are "other", so scanners cannot grow /metrics
         if self._routes is None:
-            app = scope.get("app")
-            routes = app.router.routes if app is not None else []
-            self._routes = {r.path for r in routes if "{" not in r.path}
+            self._routes = {r.path for r in self._app_routes(scope) if "{" not in r.path}
         path = scope.get("path", "")
         if path.startswith("/v1/models/"):
             return "/v1/models/{model_id}"
         return path if path in self._routes else "other"
 
+    def _auth_status(self, scope: dict) -> int | None:
+        """None when the request may go on, else 401/403 (bicache_sgl/server/auth.py). Every route
+        with a level above NORMAL has a fixed path, so the level is a dict lookup; any other path
+        (parametrised /v1/models/{id}, unknown paths that end in 404) is NORMAL."""
+        args = self.state.args
+        if not args.api_key and not args.admin_api_key:
+            return None
+        if self._levels is None:
+            self._levels = route_levels(self._app_routes(scope))
+        path = scope.get("path", "")
+        return decide(self._levels.get(path, AuthLevel.NORMAL), path=path, method=scope.get("method", ""),
+                      given=presented_key(scope.get("headers", [])), api_key=args.api_key,
+                      admin_api_key=args.admin_api_key)
+
     async def _reject(self, scope: dict, send: Send, err: APIError) -> None:
-        body = dumps(error_body(scope.get("path", ""), err))
+        # SGLang's bodies for the key checks: {"error": "Unauthorized"} / {"error": "Forbidden"}
+        body = dumps({"error": "Forbidden"} if err.status == 403 else error_body(scope.get("path", ""), err))
         # the request's body is never read here, so the connection cannot carry another request (and a
         # malformed chunked body would make h11 fail on it): close it after this answer
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -53,9 +70,9 @@ class AuthAndCount:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        key = self.state.args.api_key
-        if key and not path.startswith(OPEN_PATHS) and not authorized(scope, key):
-            await self._reject(scope, send, APIError("Unauthorized", status=401))
+        refused = self._auth_status(scope)
+        if refused is not None:
+            await self._reject(scope, send, APIError("Unauthorized" if refused == 401 else "Forbidden", status=refused))
             return
         if self.state.draining and not path.startswith(OPEN_PATHS):
             await self._reject(scope, send, APIError("the server is shutting down", status=503))
@@ -121,14 +138,3 @@ def _limited_receive(receive: Receive, limit: int) -> Receive:
         return message
 
     return wrapped
-
-
-def authorized(scope: dict, key: str) -> bool:
-    """``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``), compared in constant time."""
-    headers = {k.lower(): v for k, v in scope.get("headers", [])}
-    auth = headers.get(b"authorization", b"")
-    if auth[:7].lower() == b"bearer ":
-        given = auth[7:].strip()
-    else:
-        given = headers.get(b"x-api-key", b"").strip()
-    return bool(given) and hmac.compare_digest(given, key.encode("utf-8"))

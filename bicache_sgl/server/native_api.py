@@ -18,6 +18,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from bicache_sgl.config import SamplingParams
 from bicache_sgl.io_struct import RequestEvent
+from bicache_sgl.server.auth import AuthLevel, auth_level
 from bicache_sgl.server.bridge import Submission
 from bicache_sgl.server.protocol import (
     APIError,
@@ -111,6 +112,7 @@ async def metrics(request: Request) -> PlainTextResponse:
 # ---------------------------------------------------------------------------------------------
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
+@auth_level(AuthLevel.ADMIN_OPTIONAL)
 async def flush_cache(request: Request) -> PlainTextResponse:
     """Drop the cached prefixes; ``?timeout=S`` retries while requests are running. 200 or 400."""
     engine = get_state(request).engine
@@ -137,6 +139,7 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 
 
 @router.post("/abort_request")
+@auth_level(AuthLevel.ADMIN_OPTIONAL)  # by rid too, as SGLang: a client's own hang-up needs no route
 async def abort_request(request: Request) -> Response:
     """SGLang's abort: ``{"rid": ...}`` for one request, ``{"abort_all": true}`` for every one in
     flight (each ends with finish_reason ``abort``)."""
@@ -176,6 +179,7 @@ async def concate_and_append(request: Request) -> ORJSONResponse:
 
 @router.api_route("/start_profile", methods=["GET", "POST"])
 @router.api_route("/stop_profile", methods=["GET", "POST"])
+@auth_level(AuthLevel.ADMIN_OPTIONAL)
 async def profile(request: Request) -> Response:
     """Not implemented: answered 501 so a benchmark run with --profile fails visibly instead of
     reporting a trace that was never recorded."""

@@ -5,7 +5,7 @@ the prompt for echo, as lm-eval's loglikelihood requests need), streaming with u
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -113,8 +113,20 @@ async def left_to_right_logprobs(state: ServerState, request: Request, targets: 
             return None
         for ev in finals:
             meta = ev.meta_info or {}
-            out.append((meta["input_token_logprobs"][0], (meta.get("input_top_logprobs") or [None])[0]))
+            got = meta.get("input_token_logprobs") or []
+            if not got:  # aborted before its forward (abort_all, the scheduler): no logprob to report
+                raise ScoringAborted(ev.finish_reason or meta.get("finish_reason"))
+            out.append((got[0], (meta.get("input_top_logprobs") or [None])[0]))
     return out
+
+
+class ScoringAborted(Exception):
+    """A left-to-right scoring request ended without its logprob (an abort by an admin's
+    ``abort_all``): the completion is answered as aborted, never with a made-up logprob."""
+
+    def __init__(self, finish_reason: Any) -> None:
+        super().__init__("scoring request aborted")
+        self.finish_reason = finish_reason if isinstance(finish_reason, dict) else {"type": "abort"}
 
 
 async def echo_prompt_logprobs(state: ServerState, request: Request, id_lists: list[list[int]],
@@ -231,7 +243,10 @@ async def completions(request: Request) -> Response:
                                for p, ids in zip(texts, id_lists)],
                         echo=echo, logprobs=logprobs)
     if job.scoring:
-        prompt_lp = await echo_prompt_logprobs(state, request, id_lists, logprobs or 0)
+        try:
+            prompt_lp = await echo_prompt_logprobs(state, request, id_lists, logprobs or 0)
+        except ScoringAborted as e:  # answered as any aborted request is: 200, finish_reason abort
+            return aborted_completion(job, e.finish_reason, stream)
         if prompt_lp is None:
             return ORJSONResponse({}, status_code=499)
         job.prompt_lp = prompt_lp
@@ -242,7 +257,10 @@ async def completions(request: Request) -> Response:
     finals = await collect(state, sub, request)
     if finals is None:
         return ORJSONResponse({}, status_code=499)
-    ends = await job.end_entries(request, list(zip(items, finals)))
+    try:
+        ends = await job.end_entries(request, list(zip(items, finals)))
+    except ScoringAborted as e:
+        return aborted_completion(job, e.finish_reason, False)
     if ends is None:
         return ORJSONResponse({}, status_code=499)
     choices = []
@@ -254,6 +272,25 @@ async def completions(request: Request) -> Response:
         choices.append({"index": i, "text": prefix + (ev.text or ""), "logprobs": lps,
                         "finish_reason": reason, "matched_stop": matched})
     return ORJSONResponse(job.envelope(choices, job.usage(finals)))
+
+
+def aborted_completion(job: CompletionJob, finish_reason: dict, stream: bool) -> Response:
+    """The answer to a completion whose prompt scoring was aborted (nothing was generated): each
+    choice echoes its prompt with ``finish_reason`` ``abort`` and no logprobs, as a plain answer
+    or as one stream."""
+    reason, matched = finish(finish_reason)
+    choices = [{"index": i, "text": job.texts[item.prompt_index] if job.echo else "", "logprobs": None,
+                "finish_reason": reason, "matched_stop": matched} for i, item in enumerate(job.items)]
+    prompt = sum(len(item.input_ids) for item in job.items)
+    use = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    if not stream:
+        return ORJSONResponse(job.envelope(choices, use))
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield sse(job.envelope(choices, None))
+        yield SSE_DONE
+
+    return StreamingResponse(frames(), media_type="text/event-stream", headers=STREAM_HEADERS)
 
 
 async def completion_stream(job: CompletionJob, request: Request, want_usage: bool) -> AsyncIterator[bytes]:
@@ -281,7 +318,11 @@ async def completion_stream(job: CompletionJob, request: Request, want_usage: bo
         if job.logprobs is not None and (n_out > sent_lp[i] or (job.echo and first) or ev.finished):
             end = None
             if ev.finished and job.scoring:
-                got = await job.end_entries(request, [(item, ev)])
+                try:
+                    got = await job.end_entries(request, [(item, ev)])
+                except ScoringAborted as e:  # the end token's entry is missing: the choice ends as aborted
+                    ev = replace(ev, finish_reason=e.finish_reason)
+                    got = [None]
                 if got is None:
                     return
                 end = got[0]
