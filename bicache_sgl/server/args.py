@@ -57,7 +57,9 @@ class ServerArgs(EngineConfig):
 
     host: str = option("127.0.0.1", "Address the HTTP server listens on.")
     port: int = option(30000, "Port the HTTP server listens on.")
-    served_model_name: str | None = option(None, "Model name reported on /v1/models (default: model path).")
+    served_model_name: str | None = option(
+        None, "Model name reported on /v1/models and in every OpenAI answer; requests may name it, the model path "
+              "or its folder (default: the model path; the bundled models: a short name, see BUNDLED_NAMES).")
     api_key: str | None = option(
         None, "Require 'Authorization: Bearer KEY' on every route except /health*, /ready and /metrics.")
     log_level: str = option("info", "Log level of the server and engine processes.", parse=str.lower,
@@ -150,6 +152,26 @@ class ServerArgs(EngineConfig):
         d["router_extra_args"] = redact_unknown(self.router_extra_args)
         d["prefix_cache"] = self.effective_prefix_cache()
         return d
+
+
+# The bundled models' short served names (asset folder -> name). A client that needs the tokenizer
+# (sglang.bench_serving, guidellm) finds the folder in /v1/models' "root" or /get_model_info.
+BUNDLED_NAMES = {"default_model": "bicache-default", "context_model": "bicache-context"}
+
+
+def default_served_model_name(model_path: str) -> str:
+    """SGLang's rule: the model path, unless ``--served-model-name`` is given; a bundled model
+    (bicache_sgl/assets/<folder>) is served under its short name instead of an absolute path."""
+    from pathlib import Path
+
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    try:
+        p = Path(model_path).resolve()
+    except (OSError, RuntimeError):
+        return model_path
+    if p.parent == assets and p.name in BUNDLED_NAMES:
+        return BUNDLED_NAMES[p.name]
+    return model_path
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -39,7 +39,8 @@ STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 def model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "sglang",
-            "root": state.served_model_name, "parent": None, "max_model_len": state.context_length}
+            # root: the model folder (vLLM's meaning), where a client finds the tokenizer
+            "root": state.model_path or state.served_model_name, "parent": None, "max_model_len": state.context_length}
 
 
 def known_names(state: ServerState) -> set[str]:
