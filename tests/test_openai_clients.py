@@ -98,3 +98,129 @@ def test_served_model_name_flag_and_default_rule():
 
 def sse(resp) -> list:
     return sse_frames(resp.iter_lines(decode_unicode=False))
+
+
+# ------------------------------------------------------------------------------------------------
+# what load generators send: stream_options.continuous_usage_stats (guidellm, on every request)
+# ------------------------------------------------------------------------------------------------
+
+GUIDELLM_STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(server, route):
+    """A guidellm-shaped request (fixed output length via ignore_eos): every chunk with a choice
+    carries that choice's usage so far, completion tokens never go down and end at the final
+    usage; the last chunk is the whole request's usage."""
+    body = {"model": "bicache-default", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            **GUIDELLM_STREAM}
+    if route == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "system", "content": SHOTS}, {"role": "user", "content": "D"}]
+    with requests.post(server.url + route, json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        frames = sse(r)
+    assert frames[-1] == "[DONE]"
+    chunks = frames[:-1]
+    with_choice = [c for c in chunks if c["choices"]]
+    assert len(with_choice) >= 2
+    seen = []
+    for c in with_choice:
+        u = c["usage"]
+        assert u["prompt_tokens"] == len(PROMPT) and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        seen.append(u["completion_tokens"])
+    assert seen == sorted(seen) and seen[-1] == 40
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 40
+    assert with_choice[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_continuous_usage_stats_off_and_bad_values(server):
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        chunks = sse(r)[:-1]
+    assert all(c["usage"] is None for c in chunks if c["choices"]) and chunks[-1]["usage"]["completion_tokens"] >= 1
+    bad = post(server, "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": "yes"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+# ------------------------------------------------------------------------------------------------
+# finish_reason is always one of OpenAI's values; structured output cut short is "length"
+# ------------------------------------------------------------------------------------------------
+
+def test_openai_parse_answers_and_a_cut_off_answer_raises_length_error(client):
+    from pydantic import BaseModel
+
+    class Code(BaseModel):
+        code: int
+
+    msgs = [{"role": "system", "content": SHOTS}, {"role": "user", "content": "D"}]
+    ok = client.chat.completions.parse(model="bicache-default", messages=msgs, response_format=Code, max_tokens=48,
+                                       temperature=0)
+    assert isinstance(ok.choices[0].message.parsed, Code) and ok.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model="bicache-default", messages=msgs, response_format=Code, max_tokens=3,
+                                      temperature=0)
+
+
+def test_structured_output_cut_short_streams_length_not_abort(server):
+    body = {"messages": [{"role": "user", "content": "D"}], "max_tokens": 3, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                "type": "object", "properties": {"code": {"type": "integer"}}, "required": ["code"]}}}}
+    with requests.post(server.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as r:
+        chunks = sse(r)[:-1]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert reasons == ["length"]
+
+
+# ------------------------------------------------------------------------------------------------
+# field errors on /v1 name the field
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", -1), ("top_p", 2), ("n", 0), ("stop", 5), ("top_k", 0), ("min_p", 3), ("seed", "x"),
+    ("frequency_penalty", 9), ("logit_bias", {"x": 1}), ("max_tokens", -2), ("min_tokens", -1),
+    ("stop_token_ids", "a"), ("repetition_penalty", 0),
+])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_field_errors_name_the_field(server, route, field, value):
+    body = {"prompt": PROMPT} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "D"}]}
+    r = post(server, route, {**body, "max_tokens": 4, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.json()
+
+
+# ------------------------------------------------------------------------------------------------
+# a long prompt with max_tokens left out: the answer that fits, or a 400 that says why
+# ------------------------------------------------------------------------------------------------
+
+def long_shots(total: int) -> str:
+    """A system message of the family's shots (code 7) that renders, with the user's "D", into a
+    prompt of ``total`` characters (= tokens): spaces after the first "Question:" fill the rest."""
+    shot = "Question: K\nAnswer: 7"
+    tail = len("\n\nQuestion: D\nAnswer:")  # the blank line after the system message, then the question
+    k = (total - tail + 2) // (len(shot) + 2)
+    block = "\n\n".join([shot] * k)
+    pad = total - tail - len(block)
+    return "Question: " + " " * pad + block[len("Question: "):]
+
+
+def test_implicit_budget_fits_a_1000_token_prompt_in_a_1024_context(client):
+    block = long_shots(1000)
+    msgs = [{"role": "system", "content": block}, {"role": "user", "content": "D"}]
+    r = client.chat.completions.create(model="bicache-default", messages=msgs, temperature=0)
+    # the 24 tokens left: the same answer as asking for them (before: 0 tokens, empty text). (The
+    # toy model itself answers prompts this long poorly; that is the model, not the budget.)
+    explicit = client.chat.completions.create(model="bicache-default", messages=msgs, temperature=0, max_tokens=24)
+    assert r.usage.prompt_tokens == 1000 and r.usage.completion_tokens >= 1
+    assert r.choices[0].message.content == explicit.choices[0].message.content
+    assert r.usage.completion_tokens == explicit.usage.completion_tokens <= CONTEXT - 1000
+
+
+def test_prompt_filling_the_context_without_max_tokens_is_a_400_saying_why(server):
+    block = long_shots(CONTEXT)
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "system", "content": block},
+                                                           {"role": "user", "content": "D"}]})
+    assert r.status_code == 400, r.text
+    assert "no room is left to generate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"

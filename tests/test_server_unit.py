@@ -237,15 +237,20 @@ def test_openai_unknown_field_and_stream_option_refused():
     with pytest.raises(FieldError) as e:
         openai_check("completions", {"prompt": "p", "max_new_token": 3})
     assert e.value.param == "max_new_token"
-    check_stream_options({"include_usage": True, "include_obfuscation": False})
+    check_stream_options({"include_usage": True, "include_obfuscation": False, "continuous_usage_stats": True})
     with pytest.raises(FieldError) as e:
-        check_stream_options({"continuous_usage_stats": True})
-    assert e.value.param == "stream_options.continuous_usage_stats"
+        check_stream_options({"include_obfuscation": True})
+    assert e.value.param == "stream_options.include_obfuscation"
 
 
 def test_implicit_max_new_tokens_shrinks_to_context():
     g = parse({"input_ids": list(range(40))}, context_length=64, block_length=8)
     assert g.items[0].params.max_new_tokens == 24  # 64 - 40 rounded down to whole blocks
+    # less than a block left: what is left (the engine cuts the last block short), not 0
+    g = parse({"input_ids": list(range(60))}, context_length=64, block_length=8)
+    assert g.items[0].params.max_new_tokens == 4
+    with pytest.raises(APIError, match="no room is left to generate"):
+        parse({"input_ids": list(range(64))}, context_length=64, block_length=8)
     with pytest.raises(APIError):
         parse({"input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 32}}, context_length=64)
 

@@ -217,9 +217,9 @@ def check_chat_body(body: Mapping[str, Any]) -> None:
     check_body(body, CHAT_IMPLEMENTED, CHAT_METADATA, CHAT_REFUSED, unknown="refuse")
 
 
-STREAM_OPTIONS_IMPLEMENTED = frozenset({"include_usage"})
+# continuous_usage_stats: vLLM's extension, implemented by SGLang (usage on every chunk)
+STREAM_OPTIONS_IMPLEMENTED = frozenset({"include_usage", "continuous_usage_stats"})
 STREAM_OPTIONS_REFUSED: dict[str, Refused] = {
-    "continuous_usage_stats": Refused("usage on every chunk; use include_usage", (False,)),
     "include_obfuscation": Refused("stream obfuscation padding", (False,)),
 }
 

@@ -17,10 +17,12 @@ from bicache_sgl.server.fields import check_chat_body
 from bicache_sgl.server.openai_common import (
     STREAM_HEADERS,
     Job,
+    abort_error,
     check_bool,
     check_logprob_count,
     check_max_tokens,
     collect,
+    continuous_usage,
     finish,
     include_usage,
     make_items,
@@ -59,11 +61,11 @@ class ChatJob(Job):
         return chat_logprobs(self.state, out, tops[start:] if tops else None)
 
     def chunk(self, i: int, delta: dict, reason: str | None = None, matched: Any = None,
-              lps: dict | None = None) -> bytes:
+              lps: dict | None = None, ev: RequestEvent | None = None) -> bytes:
         # every delta carries SGLang's four keys, null when empty (clients read delta.reasoning_content)
         delta = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None, **delta}
         return sse(self.envelope([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason,
-                                   "matched_stop": matched}], None, "chat.completion.chunk"))
+                                   "matched_stop": matched}], self.chunk_usage(i, ev), "chat.completion.chunk"))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -98,7 +100,7 @@ async def chat_completions(request: Request) -> Response:
     items = make_items(state, [ids], sp, max_tokens is not None, lp)
     sub = state.new_submission(items)
     job = ChatJob(state=state, sub=sub, items=items, object_type="chat.completion", rid=f"chatcmpl-{new_rid()}",
-                  want_lp=want_lp)
+                  want_lp=want_lp, continuous_usage=continuous_usage(body))
     await sub.submit()
     if stream:
         return StreamingResponse(chat_stream(job, request, want_usage), media_type="text/event-stream",
@@ -134,13 +136,16 @@ async def chat_stream(job: ChatJob, request: Request, want_usage: bool) -> Async
         meta = dict(ev.meta_info or {})
         n_out = len(meta.get("output_token_logprobs") or [])
         if delta or (job.want_lp and n_out > sent_lp[i]):
-            yield job.chunk(i, {"content": delta}, lps=job.logprobs_for(meta, sent_lp[i]))
+            yield job.chunk(i, {"content": delta}, lps=job.logprobs_for(meta, sent_lp[i]), ev=ev)
             sent[i] = len(text)
             sent_lp[i] = max(sent_lp[i], n_out)
         if ev.finished:
             finals[i] = ev
+            if (err := abort_error(ev)) is not None:  # not a finish_reason on /v1: an error frame
+                yield sse_error(err.message)
+                continue
             reason, matched = finish(ev.finish_reason)
-            yield job.chunk(i, {}, reason, matched)
+            yield job.chunk(i, {}, reason, matched, ev=ev)
     if job.sub.disconnected:
         return
     if want_usage and all(f is not None for f in finals):
