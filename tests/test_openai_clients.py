@@ -7,6 +7,8 @@ the real ``openai`` package and raw HTTP where a field is not in the SDK's signa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from reliability_support import sse_frames
 
@@ -224,3 +226,159 @@ def test_prompt_filling_the_context_without_max_tokens_is_a_400_saying_why(serve
                                                            {"role": "user", "content": "D"}]})
     assert r.status_code == 400, r.text
     assert "no room is left to generate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
+
+
+# ------------------------------------------------------------------------------------------------
+# tool calls through constrained decoding
+# ------------------------------------------------------------------------------------------------
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup_code", "description": "The code of a family's key",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string", "maxLength": 3},
+                                                    "code": {"type": "integer"}},
+                   "required": ["key", "code"]}}}
+RESET = {"type": "function", "function": {"name": "reset", "parameters": {
+    "type": "object", "properties": {"hard": {"type": "boolean"}}, "required": ["hard"]}}}
+TOOL_MSGS = [{"role": "system", "content": SHOTS}, {"role": "user", "content": "D"}]
+
+
+def check_call(call, tools=(LOOKUP, RESET)):
+    """An OpenAI tool call: an id, a known function, arguments a JSON string valid under its schema."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name in schemas
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, schemas[call.function.name])
+    return call.function.name, args
+
+
+def test_named_tool_choice_returns_a_call_valid_under_the_function_schema(client):
+    r = client.chat.completions.create(model="bicache-default", messages=TOOL_MSGS, tools=[LOOKUP, RESET],
+                                       tool_choice={"type": "function", "function": {"name": "lookup_code"}},
+                                       max_tokens=64, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
+    assert check_call(ch.message.tool_calls[0])[0] == "lookup_code"
+
+
+@pytest.mark.parametrize("parallel", [False, None])
+def test_required_tool_choice_picks_a_tool_under_an_any_of_schema(client, parallel):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = client.chat.completions.create(model="bicache-default", messages=TOOL_MSGS, tools=[LOOKUP, RESET],
+                                       tool_choice="required", max_tokens=96, temperature=0, **extra)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        check_call(call)
+    if parallel is False:
+        assert len(ch.message.tool_calls) == 1
+    assert len({c.id for c in ch.message.tool_calls}) == len(ch.message.tool_calls)
+
+
+def test_streamed_tool_call_matches_the_non_streamed_one(client):
+    kw = {"model": "bicache-default", "messages": TOOL_MSGS, "tools": [LOOKUP], "max_tokens": 64, "temperature": 0,
+          "tool_choice": {"type": "function", "function": {"name": "lookup_code"}}}
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["tool_calls"] and len(deltas) == 1
+    d = deltas[0]
+    assert d.index == 0 and d.id.startswith("call_") and d.function.name == "lookup_code"
+    assert json.loads(d.function.arguments) == json.loads(whole.function.arguments)
+    assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
+
+
+def test_tool_choice_none_ignores_the_tools(client):
+    r = client.chat.completions.create(model="bicache-default", messages=TOOL_MSGS, tools=[LOOKUP], tool_choice="none",
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == " 7" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_call_cut_short_by_max_tokens_is_length(client):
+    r = client.chat.completions.create(model="bicache-default", messages=TOOL_MSGS, tools=[LOOKUP], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "lookup_code"}})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"tools": [LOOKUP]}, "tools", "tool-call format"),  # "auto", the default: this template declares none
+    ({"tools": [LOOKUP], "tool_choice": "auto"}, "tools", "tool-call format"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [LOOKUP], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not in tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"}, "tools",
+     "letters"),
+    ({"tools": [LOOKUP], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "response_format"),
+    ({"tools": [LOOKUP], "tool_choice": "required", "logprobs": True}, "logprobs", "tool calls"),
+    ({"tools": [LOOKUP], "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls",
+     "boolean"),
+])
+def test_tool_requests_that_cannot_be_served_are_400_naming_the_field(server, body, param, words):
+    r = post(server, "/v1/chat/completions", {"messages": TOOL_MSGS, "max_tokens": 8, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_openai_pydantic_function_tool_parses_the_arguments(client):
+    from pydantic import BaseModel
+
+    class LookupCode(BaseModel):
+        key: str
+        code: int
+
+    r = client.chat.completions.parse(model="bicache-default", messages=TOOL_MSGS, max_tokens=64, temperature=0,
+                                      tools=[openai.pydantic_function_tool(LookupCode)],
+                                      tool_choice={"type": "function", "function": {"name": "LookupCode"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, LookupCode)
+
+
+def test_auto_parses_hermes_tool_call_blocks():
+    """"auto" where the template declares Hermes/Qwen <tool_call> blocks: the blocks naming a known
+    tool become calls, the rest stays content; a template without them is refused."""
+    from bicache_sgl.server.openai_tools import plan_tools
+    from bicache_sgl.server.protocol import APIError
+
+    hermes = "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>{{ tools | tojson }}</tool_call>"
+    plan = plan_tools({"tools": [LOOKUP, RESET]}, hermes)
+    assert plan.mode == "auto" and plan.template_tools == [LOOKUP, RESET]
+    text = ('Let me look. <tool_call>\n{"name": "lookup_code", "arguments": {"key": "D", "code": 7}}\n</tool_call>'
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')
+    content, calls = plan.auto_split(text)
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["lookup_code"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"key": "D", "code": 7}
+    assert plan.auto_split("just text") == ("just text", [])
+    with pytest.raises(APIError):
+        plan_tools({"tools": [LOOKUP]}, "{{ messages }}")
+    assert plan_tools({"tools": [LOOKUP], "tool_choice": "none"}, "{{ messages }}").template_tools is None
+
+
+def test_langchain_bind_tools_and_structured_output_via_function_calling(server):
+    """langchain-openai's tool-calling paths, unchanged, against this server."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class LookupCode(BaseModel):
+        """The code of a family's key."""
+
+        key: str = Field(max_length=3)
+        code: int
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model="bicache-default", temperature=0,
+                     max_tokens=64, max_retries=0)
+    msgs = [("system", SHOTS), ("human", "D")]
+    ai = llm.bind_tools([LookupCode], tool_choice="LookupCode").invoke(msgs)
+    assert [c["name"] for c in ai.tool_calls] == ["LookupCode"] and ai.tool_calls[0]["id"].startswith("call_")
+    LookupCode.model_validate(ai.tool_calls[0]["args"])
+    out = llm.with_structured_output(LookupCode, method="function_calling").invoke(msgs)
+    assert isinstance(out, LookupCode)
+    streamed = list(llm.bind_tools([LookupCode], tool_choice="any").stream(msgs))
+    merged = streamed[0]
+    for c in streamed[1:]:
+        merged = merged + c
+    assert [c["name"] for c in merged.tool_calls] == ["LookupCode"]

@@ -156,7 +156,9 @@ CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {"messages", "max_completion_tokens", "
                                           # without a reasoning parser there is nothing to separate:
                                           # the whole text is the content, which is what both
                                           # values of these flags give then (as in SGLang)
-                                          "separate_reasoning", "stream_reasoning"}
+                                          "separate_reasoning", "stream_reasoning",
+                                          # tool calls through constrained decoding (openai_tools.py)
+                                          "tools", "tool_choice", "parallel_tool_calls"}
 # identify the caller; they change nothing in the answer, by design
 COMPLETION_METADATA = frozenset({"user"})
 CHAT_METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
@@ -188,12 +190,10 @@ COMPLETION_REFUSED: dict[str, Refused] = {
 }
 CHAT_REFUSED: dict[str, Refused] = {
     **_COMMON_REFUSED,
-    "tools": Refused("tool calling", ([],)),
-    "functions": Refused("function calling", ([],)),
-    "tool_choice": Refused("tool calling", ("none",), lambda v, body: v == "auto" and _no_tools(body)),
-    "function_call": Refused("function calling", ("none",), lambda v, body: v == "auto" and _no_tools(body)),
-    # only means something together with tools, which are refused
-    "parallel_tool_calls": Refused("tool calling", (True, False)),
+    # OpenAI's deprecated function-calling fields: tools and tool_choice are implemented instead
+    "functions": Refused("the deprecated functions API; send tools and tool_choice", ([],)),
+    "function_call": Refused("the deprecated functions API; send tools and tool_choice", ("none",),
+                             lambda v, body: v == "auto" and _no_tools(body)),
     "audio": Refused("audio output; this server serves a text-only model"),
     "modalities": Refused("this server serves a text-only model", ([],), _only_text),
     "prediction": Refused("predicted outputs"),
