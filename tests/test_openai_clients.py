@@ -8,6 +8,11 @@ the real ``openai`` package and raw HTTP where a field is not in the SDK's signa
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from reliability_support import sse_frames
@@ -382,3 +387,45 @@ def test_langchain_bind_tools_and_structured_output_via_function_calling(server)
     for c in streamed[1:]:
         merged = merged + c
     assert [c["name"] for c in merged.tool_calls] == ["LookupCode"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the README's examples run and print what the README says they print
+# ------------------------------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+# (a line the block contains, the stdout the README's comments promise)
+README_BLOCKS = [
+    ("client.chat.completions.create(", ["' 7'", "' 7' 88"]),
+    ("sgl.set_default_backend(", ["' 3' 79 8", "' 3' 79 8"]),
+    ("engine = Engine()", ["' 5'"]),
+]
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+@pytest.mark.parametrize(("marker", "expected"), README_BLOCKS, ids=["openai", "sglang-frontend", "engine"])
+def test_readme_example_prints_what_the_readme_says(server, marker, expected):
+    blocks = [b for b in readme_python_blocks() if marker in b]
+    assert len(blocks) == 1, f"the README has no single python block with {marker!r}"
+    block = blocks[0]
+    for line in expected:  # the README's own comments promise this output
+        assert f"# {line}" in block, (line, block)
+    code = block.replace("http://127.0.0.1:30000", server.url)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == expected, p.stdout
+
+
+def test_launch_server_help_starts_with_start_here_flags_that_exist():
+    from bicache_sgl.server.args import START_HERE, build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert text.index("start here") < text.index("examples:") < text.index("options:")
+    known = {s for a in parser._actions for s in a.option_strings}
+    listed = set(re.findall(r"(--[a-z][a-z-]+)", START_HERE.split("examples:")[0]))
+    assert len(listed) >= 10 and listed <= known, listed - known

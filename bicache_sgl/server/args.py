@@ -214,12 +214,39 @@ _COMPAT_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
 )
 
 
+START_HERE = """\
+SGLang-compatible HTTP server for diffusion language models (LLaDA, Dream) with bicache
+shared-prefix reuse. SGLang's native API and the OpenAI API on one port.
+
+start here (the flags most users need; every flag is listed below):
+  --model-path PATH|HUB_NAME   the model (default: the bundled toy model, served as bicache-default)
+  --port 30000 --host 127.0.0.1
+  --attention-backend flashinfer   on a GPU (pip install -e ".[cuda]")
+  --context-length N           longest prompt + generation
+  --max-running-requests N     requests decoded together (default 16)
+  --mem-fraction-static F      GPU memory share for the prefix cache (default 0.3)
+  --prefix-cache bicache|off   shared-prefix reuse (default bicache)
+  --bicache-profile auto|none|FILE   the reuse-depth table (default: beside the model, else calibrated
+                               at the first start and cached)
+  --served-model-name NAME  --api-key KEY  --chat-template FILE|NAME
+
+examples:
+  bicache-sgl-server                     # the bundled model on http://127.0.0.1:30000
+  bicache-sgl-server --model-path GSAI-ML/LLaDA-8B-Instruct --attention-backend flashinfer \\
+      --context-length 4096 --port 30000
+
+Unknown SGLang flags are accepted with a warning. Docs: docs/server.md.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags: one per ServerArgs field (EngineConfig's, the decoding defaults', the
     server's own), built from the fields' help strings, plus SGLang's compatibility flags."""
     p = argparse.ArgumentParser(
         prog="bicache-sgl-server",
-        description="SGLang-compatible HTTP server for diffusion language models (bicache prefix caching).",
+        usage="bicache-sgl-server [FLAGS]   (or: python -m bicache_sgl.launch_server [FLAGS])",
+        description=START_HERE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     add_flags(p.add_argument_group("model, scheduling and prefix cache"), EngineConfig, skip=("decode",),
