@@ -152,6 +152,39 @@ def test_continuous_usage_stats_off_and_bad_values(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.continuous_usage_stats"
 
 
+@pytest.mark.parametrize(("route", "field", "value", "why"), [
+    ("/v1/chat/completions", "guided_json", {"type": "object"}, "response_format"),
+    ("/v1/completions", "guided_regex", "[0-9]", "regex"),
+    ("/v1/completions", "include_stop_str_in_output", True, "trimmed"),
+    ("/v1/chat/completions", "use_beam_search", True, "beam search"),
+    ("/v1/completions", "cache_salt", "tenant-a", "one prefix cache"),
+    ("/v1/chat/completions", "priority", 5, "priority scheduling"),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}", "--chat-template"),
+    ("/v1/completions", "return_token_ids", True, "/generate"),
+    ("/v1/chat/completions", "echo", True, "/v1/completions"),
+])
+def test_vllm_and_newer_sglang_fields_are_refused_with_the_reason(server, route, field, value, why):
+    body = {"prompt": PROMPT} if route == "/v1/completions" else {"messages": TOOL_MSGS}
+    r = post(server, route, {**body, "max_tokens": 4, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field} is not supported (") and why in err["message"]
+
+
+def test_vllm_style_defaults_ask_for_nothing_and_are_accepted(server):
+    """What vLLM-style clients send by default (no-op values) is accepted, not refused."""
+    defaults = {"include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
+                "priority": 0, "return_token_ids": False, "stop_regex": [], "custom_params": {},
+                "skip_special_tokens": True, "ignore_eos": False}
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **defaults})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " 7"
+    r = post(server, "/v1/chat/completions", {"messages": TOOL_MSGS, "max_tokens": 4, "temperature": 0,
+                                              "echo": False, "add_generation_prompt": True, **defaults})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == " 7"
+
+
 # ------------------------------------------------------------------------------------------------
 # finish_reason is always one of OpenAI's values; structured output cut short is "length"
 # ------------------------------------------------------------------------------------------------
