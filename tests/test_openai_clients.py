@@ -258,6 +258,12 @@ def test_implicit_budget_fits_a_1000_token_prompt_in_a_1024_context(client):
     assert r.usage.completion_tokens == explicit.usage.completion_tokens <= CONTEXT - 1000
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_budget_past_the_context_names_the_budget_field(server, field):
+    r = post(server, "/v1/chat/completions", {"messages": TOOL_MSGS, field: CONTEXT})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_prompt_filling_the_context_without_max_tokens_is_a_400_saying_why(server):
     block = long_shots(CONTEXT)
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "system", "content": block},

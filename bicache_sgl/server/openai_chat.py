@@ -128,7 +128,8 @@ async def chat_completions(request: Request) -> Response:
         sp["json_schema"] = tools.schema
     lp = LogprobOptions(return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top,
                         return_text_in_logprobs=want_lp)
-    items = make_items(state, [ids], sp, max_tokens is not None, lp)
+    items = make_items(state, [ids], sp, max_tokens is not None, lp,
+                       "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     sub = state.new_submission(items)
     job = ChatJob(state=state, sub=sub, items=items, object_type="chat.completion", rid=f"chatcmpl-{new_rid()}",
                   want_lp=want_lp, continuous_usage=continuous_usage(body), tools=tools)

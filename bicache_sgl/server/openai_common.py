@@ -143,7 +143,7 @@ def sampling_dict(body: dict, max_tokens: Any, default_max: int | None) -> dict[
 
 
 # native sampling-param names -> the OpenAI request field they come from
-_V1_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_V1_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 
 
 def v1_param(message: str, sp: Mapping[str, Any]) -> str | None:
@@ -162,8 +162,9 @@ def v1_param(message: str, sp: Mapping[str, Any]) -> str | None:
 
 
 def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,
-               lp: LogprobOptions) -> list[Item]:
-    """One engine item per prompt and sample (prompt-major), each checked against the context."""
+               lp: LogprobOptions, max_name: str = "max_tokens") -> list[Item]:
+    """One engine item per prompt and sample (prompt-major), each checked against the context.
+    ``max_name``: the request field that set the budget (named in errors about it)."""
     try:
         params, _ = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
     except APIError as e:
@@ -174,7 +175,12 @@ def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit
                      "sequences (prompts x n)" if params.n > 1 else "prompts")
     items = []
     for pi, ids in enumerate(id_lists):
-        p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
+        try:
+            p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
+        except APIError as e:  # the budget's /v1 name (the native one is max_new_tokens)
+            if e.param == "max_new_tokens":
+                e.param = max_name
+            raise
         base = p.replace(n=1) if p.n > 1 else p
         for j in range(p.n):
             items.append(Item(engine_request(ids, base, lp), prompt_index=pi, sample_index=j))
