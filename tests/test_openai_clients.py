@@ -85,6 +85,8 @@ def test_models_lists_the_short_name_and_path_or_name_both_work(server, client):
         assert r.choices[0].text == " 7" and r.model == "bicache-default"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=4)
+    assert client.models.retrieve("bicache-default").id == "bicache-default"
+    assert client.models.retrieve("default_model").id == "bicache-default"
 
 
 def test_chat_template_refuses_roles_the_model_was_not_trained_on(server):
