@@ -195,9 +195,8 @@ def openai_check(route: str, body: dict) -> None:
     (check_chat_body if route == "chat" else check_completion_body)(body)
 
 
-OPENAI_REFUSED = [("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
-                  ("chat", "tool_choice", "required"), ("chat", "tool_choice", {"type": "function"}),
-                  ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", {"name": "f"}),
+# tools / tool_choice are implemented (checked by the chat route: openai_tools.plan_tools)
+OPENAI_REFUSED = [("chat", "functions", [{"name": "f"}]), ("chat", "function_call", {"name": "f"}),
                   ("chat", "ebnf", "root ::= 'a'"), ("chat", "audio", {"voice": "x"}),
                   ("chat", "modalities", ["text", "audio"]), ("chat", "reasoning_effort", "low"),
                   ("chat", "prediction", {"type": "content"}), ("chat", "store", True),
@@ -225,10 +224,15 @@ def test_openai_noop_and_metadata_fields_accepted():
                           "separate_reasoning": True, "modalities": ["text"], "seed": 1})
     openai_check("completions", {"model": "m", "prompt": "p", "best_of": 1, "suffix": None, "user": "u",
                                  "echo": False, "min_p": 0.0, "regex": None})
-    from bicache_sgl.server.fields import FieldError
+    from bicache_sgl.server.openai_tools import plan_tools
 
-    with pytest.raises(FieldError, match="^tool_choice"):  # "auto" is a no-op only without tools
-        openai_check("chat", {"tool_choice": "auto", "tools": [{"type": "function"}]})
+    # "auto" asks for nothing without tools; with tools it needs a template that declares a
+    # tool-call format (here none): a 400 naming tools
+    assert plan_tools({"tool_choice": "auto", "tools": []}, "{{ messages }}") is None
+    with pytest.raises(APIError, match="^tools") as e:
+        plan_tools({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                   "{{ messages }}")
+    assert e.value.param == "tools"
 
 
 def test_openai_unknown_field_and_stream_option_refused():
