@@ -511,8 +511,8 @@ OPENAI_REFUSED = [
     ("chat", "response_format", {"response_format": {"type": "xml"}}),
     ("chat", "reasoning_effort", {"reasoning_effort": "low"}),
     ("chat", "no_stop_trim", {"extra_body": {"no_stop_trim": True}}),
-    ("chat", "stream_options.continuous_usage_stats",
-     {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("chat", "stream_options.include_obfuscation",
+     {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}}),
 ]
 
 

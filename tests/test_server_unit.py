@@ -195,9 +195,8 @@ def openai_check(route: str, body: dict) -> None:
     (check_chat_body if route == "chat" else check_completion_body)(body)
 
 
-OPENAI_REFUSED = [("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
-                  ("chat", "tool_choice", "required"), ("chat", "tool_choice", {"type": "function"}),
-                  ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", {"name": "f"}),
+# tools / tool_choice are implemented (checked by the chat route: openai_tools.plan_tools)
+OPENAI_REFUSED = [("chat", "functions", [{"name": "f"}]), ("chat", "function_call", {"name": "f"}),
                   ("chat", "ebnf", "root ::= 'a'"), ("chat", "audio", {"voice": "x"}),
                   ("chat", "modalities", ["text", "audio"]), ("chat", "reasoning_effort", "low"),
                   ("chat", "prediction", {"type": "content"}), ("chat", "store", True),
@@ -225,10 +224,15 @@ def test_openai_noop_and_metadata_fields_accepted():
                           "separate_reasoning": True, "modalities": ["text"], "seed": 1})
     openai_check("completions", {"model": "m", "prompt": "p", "best_of": 1, "suffix": None, "user": "u",
                                  "echo": False, "min_p": 0.0, "regex": None})
-    from bicache_sgl.server.fields import FieldError
+    from bicache_sgl.server.openai_tools import plan_tools
 
-    with pytest.raises(FieldError, match="^tool_choice"):  # "auto" is a no-op only without tools
-        openai_check("chat", {"tool_choice": "auto", "tools": [{"type": "function"}]})
+    # "auto" asks for nothing without tools; with tools it needs a template that declares a
+    # tool-call format (here none): a 400 naming tools
+    assert plan_tools({"tool_choice": "auto", "tools": []}, "{{ messages }}") is None
+    with pytest.raises(APIError, match="^tools") as e:
+        plan_tools({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                   "{{ messages }}")
+    assert e.value.param == "tools"
 
 
 def test_openai_unknown_field_and_stream_option_refused():
@@ -237,15 +241,20 @@ def test_openai_unknown_field_and_stream_option_refused():
     with pytest.raises(FieldError) as e:
         openai_check("completions", {"prompt": "p", "max_new_token": 3})
     assert e.value.param == "max_new_token"
-    check_stream_options({"include_usage": True, "include_obfuscation": False})
+    check_stream_options({"include_usage": True, "include_obfuscation": False, "continuous_usage_stats": True})
     with pytest.raises(FieldError) as e:
-        check_stream_options({"continuous_usage_stats": True})
-    assert e.value.param == "stream_options.continuous_usage_stats"
+        check_stream_options({"include_obfuscation": True})
+    assert e.value.param == "stream_options.include_obfuscation"
 
 
 def test_implicit_max_new_tokens_shrinks_to_context():
     g = parse({"input_ids": list(range(40))}, context_length=64, block_length=8)
     assert g.items[0].params.max_new_tokens == 24  # 64 - 40 rounded down to whole blocks
+    # less than a block left: what is left (the engine cuts the last block short), not 0
+    g = parse({"input_ids": list(range(60))}, context_length=64, block_length=8)
+    assert g.items[0].params.max_new_tokens == 4
+    with pytest.raises(APIError, match="no room is left to generate"):
+        parse({"input_ids": list(range(64))}, context_length=64, block_length=8)
     with pytest.raises(APIError):
         parse({"input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 32}}, context_length=64)
 

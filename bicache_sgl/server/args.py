@@ -57,7 +57,9 @@ class ServerArgs(EngineConfig):
 
     host: str = option("127.0.0.1", "Address the HTTP server listens on.")
     port: int = option(30000, "Port the HTTP server listens on.")
-    served_model_name: str | None = option(None, "Model name reported on /v1/models (default: model path).")
+    served_model_name: str | None = option(
+        None, "Model name reported on /v1/models and in every OpenAI answer; requests may name it, the model path "
+              "or its folder (default: the model path; the bundled models: a short name, see BUNDLED_NAMES).")
     api_key: str | None = option(
         None, "Require 'Authorization: Bearer KEY' on every route except /health*, /ready and /metrics.")
     admin_api_key: str | None = option(
@@ -156,6 +158,26 @@ class ServerArgs(EngineConfig):
         return d
 
 
+# The bundled models' short served names (asset folder -> name). A client that needs the tokenizer
+# (sglang.bench_serving, guidellm) finds the folder in /v1/models' "root" or /get_model_info.
+BUNDLED_NAMES = {"default_model": "bicache-default", "context_model": "bicache-context"}
+
+
+def default_served_model_name(model_path: str) -> str:
+    """SGLang's rule: the model path, unless ``--served-model-name`` is given; a bundled model
+    (bicache_sgl/assets/<folder>) is served under its short name instead of an absolute path."""
+    from pathlib import Path
+
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    try:
+        p = Path(model_path).resolve()
+    except (OSError, RuntimeError):
+        return model_path
+    if p.parent == assets and p.name in BUNDLED_NAMES:
+        return BUNDLED_NAMES[p.name]
+    return model_path
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -196,12 +218,39 @@ _COMPAT_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
 )
 
 
+START_HERE = """\
+SGLang-compatible HTTP server for diffusion language models (LLaDA, Dream) with bicache
+shared-prefix reuse. SGLang's native API and the OpenAI API on one port.
+
+start here (the flags most users need; every flag is listed below):
+  --model-path PATH|HUB_NAME   the model (default: the bundled toy model, served as bicache-default)
+  --port 30000 --host 127.0.0.1
+  --attention-backend flashinfer   on a GPU (pip install -e ".[cuda]")
+  --context-length N           longest prompt + generation
+  --max-running-requests N     requests decoded together (default 16)
+  --mem-fraction-static F      GPU memory share for the prefix cache (default 0.3)
+  --prefix-cache bicache|off   shared-prefix reuse (default bicache)
+  --bicache-profile auto|none|FILE   the reuse-depth table (default: beside the model, else calibrated
+                               at the first start and cached)
+  --served-model-name NAME  --api-key KEY  --chat-template FILE|NAME
+
+examples:
+  bicache-sgl-server                     # the bundled model on http://127.0.0.1:30000
+  bicache-sgl-server --model-path GSAI-ML/LLaDA-8B-Instruct --attention-backend flashinfer \\
+      --context-length 4096 --port 30000
+
+Unknown SGLang flags are accepted with a warning. Docs: docs/server.md.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags: one per ServerArgs field (EngineConfig's, the decoding defaults', the
     server's own), built from the fields' help strings, plus SGLang's compatibility flags."""
     p = argparse.ArgumentParser(
         prog="bicache-sgl-server",
-        description="SGLang-compatible HTTP server for diffusion language models (bicache prefix caching).",
+        usage="bicache-sgl-server [FLAGS]   (or: python -m bicache_sgl.launch_server [FLAGS])",
+        description=START_HERE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     add_flags(p.add_argument_group("model, scheduling and prefix cache"), EngineConfig, skip=("decode",),

@@ -90,13 +90,26 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         msg = {"role": role, "content": content}
         if role == "developer":
             msg["role"] = "system"
+        # a tool-calling conversation: the assistant's calls and the tool results' ids go to the
+        # chat template as they were sent (templates that render tools read these keys)
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
         out.append(msg)
     return out
 
 
+def template_source(tokenizer: Any, template: str | None) -> str:
+    """The Jinja source :func:`render_chat` uses: ``--chat-template``, the tokenizer's, the plain one."""
+    tpl = template if template is not None else getattr(tokenizer, "chat_template", None)
+    return tpl if isinstance(tpl, str) else BUILTIN_TEMPLATES["default"]
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], template: str | None, *,
-                continue_final_message: bool = False, extra_kwargs: dict | None = None) -> str:
-    """Messages -> prompt text (special tokens included as text; tokenized without adding BOS)."""
+                continue_final_message: bool = False, extra_kwargs: dict | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """Messages -> prompt text (special tokens included as text; tokenized without adding BOS).
+    ``tools``: OpenAI tool objects, passed to the template as ``tools`` (Hugging Face's convention)."""
     add_gen = not continue_final_message
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise APIError("continue_final_message needs the last message to be from the assistant",
@@ -105,6 +118,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], template: str | 
     if tpl is None:
         tpl = BUILTIN_TEMPLATES["default"]
     kwargs = dict(extra_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=tpl, tokenize=False,
                                              add_generation_prompt=add_gen,

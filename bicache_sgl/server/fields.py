@@ -156,7 +156,9 @@ CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {"messages", "max_completion_tokens", "
                                           # without a reasoning parser there is nothing to separate:
                                           # the whole text is the content, which is what both
                                           # values of these flags give then (as in SGLang)
-                                          "separate_reasoning", "stream_reasoning"}
+                                          "separate_reasoning", "stream_reasoning",
+                                          # tool calls through constrained decoding (openai_tools.py)
+                                          "tools", "tool_choice", "parallel_tool_calls"}
 # identify the caller; they change nothing in the answer, by design
 COMPLETION_METADATA = frozenset({"user"})
 CHAT_METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
@@ -171,7 +173,61 @@ def _no_tools(body: Mapping[str, Any]) -> bool:
     return not body.get("tools") and not body.get("functions")
 
 
+# Fields that newer SGLang releases and vLLM-style clients (guidellm, litellm, vLLM's own
+# benchmark scripts) send that this server does not implement: each refused with why, and
+# accepted when its value asks for nothing (the defaults those clients send).
+_GUIDED = "vLLM's guided-decoding fields; send response_format (json_schema), regex or json_schema"
+_DP = "routing to a data-parallel rank; with --dp-size the router picks the worker"
+_CACHE_KEY = "prefix-cache partitioning; every request shares one prefix cache"
+_CLIENT_EXTRAS_REFUSED: dict[str, Refused] = {
+    # SGLang (newer than the pinned 0.5.2)
+    "return_routed_experts": Refused("the models served here have no experts", (False,)),
+    "routed_experts_start_len": Refused("the models served here have no experts", (0,)),
+    "return_cached_tokens_details": Refused("per-source cached-token details; there is one device cache "
+                                            "(/generate's meta_info has cached_tokens)", (False,)),
+    "return_token_ids": Refused("token ids in OpenAI answers; /generate returns output_ids", (False,)),
+    "return_prompt_token_ids": Refused("token ids in OpenAI answers; /generate returns them", (False,)),
+    "return_meta_info": Refused("meta_info in OpenAI answers; /generate returns it", (False,)),
+    "stop_regex": Refused("stop strings are matched literally; use stop", ([], "")),
+    "session_id": Refused("sessions"),
+    "custom_params": Refused("custom logit processors", ({},)),
+    "custom_logit_processor": Refused("custom logit processors"),
+    "images_config": Refused(_MULTIMODAL),
+    "max_dynamic_patch": Refused(_MULTIMODAL),
+    "min_dynamic_patch": Refused(_MULTIMODAL),
+    "use_audio_in_video": Refused(_MULTIMODAL, (False,)),
+    "routed_dp_rank": Refused(_DP),
+    "data_parallel_rank": Refused(_DP),
+    "disagg_prefill_dp_rank": Refused(_PD),
+    "extra_key": Refused(_CACHE_KEY),
+    "cache_salt": Refused(_CACHE_KEY),
+    "ngram_corpus_id": Refused("n-gram speculative decoding"),
+    "priority": Refused("priority scheduling", (0,)),
+    "custom_labels": Refused("custom metric labels"),
+    # vLLM's extensions
+    "include_stop_str_in_output": Refused("a matched stop string is always trimmed from the text", (False,)),
+    "guided_json": Refused(_GUIDED),
+    "guided_regex": Refused(_GUIDED),
+    "guided_choice": Refused(_GUIDED),
+    "guided_grammar": Refused(_GUIDED),
+    "guided_decoding_backend": Refused(_GUIDED),
+    "structured_outputs": Refused(_GUIDED),
+    "prompt_logprobs": Refused("prompt logprobs; use /v1/completions with echo and logprobs", (0,)),
+    "truncate_prompt_tokens": Refused("prompt truncation; a prompt must fit the context"),
+    "use_beam_search": Refused("beam search", (False,)),
+    "length_penalty": Refused("beam search", (1,)),
+    "allowed_token_ids": Refused("token allow-lists; use logit_bias"),
+    "bad_words": Refused("banned words; use logit_bias", ([],)),
+    "return_tokens_as_token_ids": Refused("token ids as logprob tokens", (False,)),
+    "logits_processors": Refused("custom logit processors"),
+    "prompt_embeds": Refused("prompts are token ids or text, not embeddings"),
+    "mm_processor_kwargs": Refused(_MULTIMODAL),
+    "kv_transfer_params": Refused(_PD),
+    "vllm_xargs": Refused("vLLM's extension arguments"),
+    "request_id": Refused("caller-chosen request ids on /v1 routes; use /generate"),
+}
 _COMMON_REFUSED: dict[str, Refused] = {
+    **_CLIENT_EXTRAS_REFUSED,
     **{k: _sampling_refused(k) for k in ("ebnf", "structural_tag", "no_stop_trim", "spaces_between_special_tokens")},
     "lora_path": Refused("LoRA adapters", (), _no_adapter),
     "session_params": Refused("sessions"),
@@ -188,12 +244,17 @@ COMPLETION_REFUSED: dict[str, Refused] = {
 }
 CHAT_REFUSED: dict[str, Refused] = {
     **_COMMON_REFUSED,
-    "tools": Refused("tool calling", ([],)),
-    "functions": Refused("function calling", ([],)),
-    "tool_choice": Refused("tool calling", ("none",), lambda v, body: v == "auto" and _no_tools(body)),
-    "function_call": Refused("function calling", ("none",), lambda v, body: v == "auto" and _no_tools(body)),
-    # only means something together with tools, which are refused
-    "parallel_tool_calls": Refused("tool calling", (True, False)),
+    "input_ids": Refused("pre-tokenized chat prompts; send messages, or token ids to /v1/completions"),
+    "task": Refused("DeepSeek-V4 quick-instruction tasks"),
+    "echo": Refused("echoing the prompt in chat; use /v1/completions with echo", (False,)),
+    "add_generation_prompt": Refused("the generation prompt follows continue_final_message (false: added)",
+                                     (True,)),
+    "chat_template": Refused("per-request chat templates; start the server with --chat-template"),
+    "documents": Refused("retrieval documents in the chat template"),
+    # OpenAI's deprecated function-calling fields: tools and tool_choice are implemented instead
+    "functions": Refused("the deprecated functions API; send tools and tool_choice", ([],)),
+    "function_call": Refused("the deprecated functions API; send tools and tool_choice", ("none",),
+                             lambda v, body: v == "auto" and _no_tools(body)),
     "audio": Refused("audio output; this server serves a text-only model"),
     "modalities": Refused("this server serves a text-only model", ([],), _only_text),
     "prediction": Refused("predicted outputs"),
@@ -217,9 +278,9 @@ def check_chat_body(body: Mapping[str, Any]) -> None:
     check_body(body, CHAT_IMPLEMENTED, CHAT_METADATA, CHAT_REFUSED, unknown="refuse")
 
 
-STREAM_OPTIONS_IMPLEMENTED = frozenset({"include_usage"})
+# continuous_usage_stats: vLLM's extension, implemented by SGLang (usage on every chunk)
+STREAM_OPTIONS_IMPLEMENTED = frozenset({"include_usage", "continuous_usage_stats"})
 STREAM_OPTIONS_REFUSED: dict[str, Refused] = {
-    "continuous_usage_stats": Refused("usage on every chunk; use include_usage", (False,)),
     "include_obfuscation": Refused("stream obfuscation padding", (False,)),
 }
 

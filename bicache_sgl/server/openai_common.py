@@ -7,6 +7,7 @@ native sampling params and engine items of a request, usage, finish reasons and 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 def model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "sglang",
-            "root": state.served_model_name, "parent": None, "max_model_len": state.context_length}
+            # root: the model folder (vLLM's meaning), where a client finds the tokenizer
+            "root": state.model_path or state.served_model_name, "parent": None, "max_model_len": state.context_length}
 
 
 def known_names(state: ServerState) -> set[str]:
@@ -140,19 +142,45 @@ def sampling_dict(body: dict, max_tokens: Any, default_max: int | None) -> dict[
     return sp
 
 
+# native sampling-param names -> the OpenAI request field they come from
+_V1_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+
+
+def v1_param(message: str, sp: Mapping[str, Any]) -> str | None:
+    """The /v1 request field an error message about ``sp`` (the native sampling params) is about:
+    the field the message starts with, else the first one it mentions."""
+    m = re.match(r"[A-Za-z_]+", message)
+    fields = [(k, _V1_NAMES.get(k, k)) for k in sp]
+    if m:
+        for native, v1 in fields:
+            if m.group(0) in (native, v1):
+                return v1
+    for native, v1 in fields:
+        if re.search(rf"\b{native}\b", message):
+            return v1
+    return None
+
+
 def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,
-               lp: LogprobOptions) -> list[Item]:
-    """One engine item per prompt and sample (prompt-major), each checked against the context."""
+               lp: LogprobOptions, max_name: str = "max_tokens") -> list[Item]:
+    """One engine item per prompt and sample (prompt-major), each checked against the context.
+    ``max_name``: the request field that set the budget (named in errors about it)."""
     try:
         params, _ = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
     except APIError as e:
-        e.param = None  # the message names the field; there is no "sampling_params" field on /v1
+        # there is no "sampling_params" field on /v1: name the request field the message is about
+        e.param = v1_param(str(e), sp) if e.param in (None, "sampling_params", "max_new_tokens") else e.param
         raise
     check_batch_size(len(id_lists) * params.n, state.args.max_batch_size,
                      "sequences (prompts x n)" if params.n > 1 else "prompts")
     items = []
     for pi, ids in enumerate(id_lists):
-        p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
+        try:
+            p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
+        except APIError as e:  # the budget's /v1 name (the native one is max_new_tokens)
+            if e.param == "max_new_tokens":
+                e.param = max_name
+            raise
         base = p.replace(n=1) if p.n > 1 else p
         for j in range(p.n):
             items.append(Item(engine_request(ids, base, lp), prompt_index=pi, sample_index=j))
@@ -179,14 +207,28 @@ def check_max_tokens(v: Any, name: str) -> None:
         raise APIError(f"{name} must be an integer >= 0, got {v!r}", param=name)
 
 
-def include_usage(body: dict) -> bool:
+def _stream_option(body: dict, key: str) -> bool:
     so = body.get("stream_options")
     if so is None:
         return False
     if not isinstance(so, dict):
         raise APIError("stream_options must be an object", param="stream_options")
     check_fields(check_stream_options, so)
-    return bool(so.get("include_usage"))
+    v = so.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise APIError(f"stream_options.{key} must be a boolean, got {v!r}", param=f"stream_options.{key}")
+    return bool(v)
+
+
+def include_usage(body: dict) -> bool:
+    """``stream_options.include_usage``: one last chunk with the whole request's usage."""
+    return _stream_option(body, "include_usage")
+
+
+def continuous_usage(body: dict) -> bool:
+    """``stream_options.continuous_usage_stats`` (vLLM's extension, implemented by SGLang; guidellm
+    sends it): every chunk of a choice carries that choice's usage so far."""
+    return _stream_option(body, "continuous_usage_stats")
 
 
 def usage(items: list[Item], finals: list[RequestEvent]) -> dict[str, int]:
@@ -203,16 +245,38 @@ def usage(items: list[Item], finals: list[RequestEvent]) -> dict[str, int]:
             "reasoning_tokens": 0}
 
 
+def budget_abort(fr: Any) -> bool:
+    """An abort because no output matching the request's constraint fits its max_new_tokens
+    (scheduler/structured.py): on /v1 that is OpenAI's "length" (the budget cut the answer short;
+    the SDK's ``parse`` then raises its LengthFinishReasonError)."""
+    return (isinstance(fr, dict) and fr.get("type") == "abort"
+            and "max_new_tokens" in str(fr.get("message") or ""))
+
+
 def finish(fr: Any) -> tuple[str | None, Any]:
-    """SGLang finish_reason dict -> (OpenAI finish_reason, matched_stop)."""
+    """SGLang finish_reason dict -> (OpenAI finish_reason, matched_stop). Only OpenAI's values come
+    out: an abort is "length" when the budget caused it; any other abort is an error
+    (:func:`abort_error`), never a finish_reason."""
     if not isinstance(fr, dict):
         return None, None
     kind = fr.get("type")
     if kind == "stop":
         return "stop", fr.get("matched")
-    if kind == "length":
+    if kind == "length" or budget_abort(fr):
         return "length", None
-    return kind, None
+    return None, None
+
+
+def abort_error(ev: RequestEvent) -> APIError | None:
+    """The error answer for a request that finished aborted for a reason other than its budget
+    (an unsatisfiable constraint: 400; aborted by /abort_request, shutdown or the engine: 503)."""
+    fr = ev.finish_reason if isinstance(ev.finish_reason, dict) else (ev.meta_info or {}).get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") != "abort" or budget_abort(fr):
+        return None
+    msg = str(fr.get("message") or "aborted")
+    if msg.startswith("the constraint matches no output"):
+        return APIError(msg)
+    return APIError(f"the request was aborted before it finished: {msg}", status=503)
 
 
 def token_text(state: ServerState, entry: list) -> str:
@@ -231,6 +295,9 @@ async def collect(state: ServerState, sub: Submission, request: Request) -> list
     done: list[RequestEvent] = finals  # type: ignore[assignment]  # every entry is set (checked above)
     raise_if_failed(done)
     state.check_not_aborted_by_shutdown(done)
+    for f in done:
+        if (err := abort_error(f)) is not None:
+            raise err
     return done
 
 
@@ -244,6 +311,17 @@ class Job:
     object_type: str  # "text_completion" | "chat.completion"
     rid: str
     created: int = field(default_factory=lambda: int(time.time()))
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+
+    def chunk_usage(self, i: int, ev: RequestEvent | None) -> dict[str, int] | None:
+        """Choice ``i``'s usage so far (its prompt, the tokens it generated up to ``ev``) for a
+        stream chunk, when continuous_usage_stats asked for it (as SGLang computes it)."""
+        if not self.continuous_usage:
+            return None
+        prompt = len(self.items[i].input_ids)
+        completion = len(ev.output_ids or []) if ev is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "reasoning_tokens": 0}
 
     @property
     def model(self) -> str:

@@ -16,10 +16,12 @@ from bicache_sgl.server.fields import check_completion_body
 from bicache_sgl.server.openai_common import (
     STREAM_HEADERS,
     Job,
+    abort_error,
     check_bool,
     check_logprob_count,
     check_max_tokens,
     collect,
+    continuous_usage,
     finish,
     include_usage,
     make_items,
@@ -241,7 +243,7 @@ async def completions(request: Request) -> Response:
                         # only echo shows a prompt's text: token-id prompts are decoded only then
                         texts=[p if p is not None else state.tokenizer.decode(ids) if echo else ""
                                for p, ids in zip(texts, id_lists)],
-                        echo=echo, logprobs=logprobs)
+                        echo=echo, logprobs=logprobs, continuous_usage=continuous_usage(body))
     if job.scoring:
         try:
             prompt_lp = await echo_prompt_logprobs(state, request, id_lists, logprobs or 0)
@@ -333,8 +335,11 @@ async def completion_stream(job: CompletionJob, request: Request, want_usage: bo
         started[i] = True
         if ev.finished:
             finals[i] = ev
+            if (err := abort_error(ev)) is not None:  # not a finish_reason on /v1: an error frame
+                yield sse_error(err.message)
+                continue
         yield sse(job.envelope([{"index": i, "text": delta, "logprobs": lps, "finish_reason": reason,
-                                 "matched_stop": matched}], None))
+                                 "matched_stop": matched}], job.chunk_usage(i, ev)))
     if job.sub.disconnected:
         return
     if want_usage and all(f is not None for f in finals):

@@ -211,8 +211,9 @@ def resolve_logprob_start(start: int | None, return_logprob: bool, max_new_token
 
 def check_length(prompt_len: int, params: SamplingParams, explicit_max: bool, context_length: int | None,
                  block_length: int | None = None) -> SamplingParams:
-    """Prompt + generation must fit the context. An implicit default is shortened to fit (to
-    whole blocks: the engine rounds the generation region up to a multiple of the block)."""
+    """Prompt + generation must fit the context. An implicit default is shortened to fit: to whole
+    blocks, or, when less than one block is left, to what is left (the engine cuts the last block
+    short); a prompt that leaves no room at all is a 400 that says so."""
     if context_length is None:
         return params
     if prompt_len > context_length:
@@ -221,8 +222,11 @@ def check_length(prompt_len: int, params: SamplingParams, explicit_max: bool, co
     if prompt_len + params.max_new_tokens > context_length:
         if not explicit_max:
             room = context_length - prompt_len
+            if room == 0:
+                raise APIError(f"the prompt ({prompt_len} tokens) fills the model's whole context ({context_length} "
+                               "tokens): no room is left to generate; shorten the prompt", param="prompt")
             block = params.block_length or block_length
-            if block:
+            if block and room >= block:  # whole blocks where one fits; else the one short block that fits
                 room = room // block * block
             return params.replace(max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
         raise APIError(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "

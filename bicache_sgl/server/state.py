@@ -16,7 +16,7 @@ from bicache_sgl.engine.interface import EngineClient
 from bicache_sgl.engine.process import EngineDeadError, EngineProcessClient
 from bicache_sgl.io_struct import RequestEvent
 from bicache_sgl.models.tokenize import TextEncoder
-from bicache_sgl.server.args import ServerArgs
+from bicache_sgl.server.args import ServerArgs, default_served_model_name
 from bicache_sgl.server.bridge import Submission
 from bicache_sgl.server.chat import load_chat_template
 from bicache_sgl.server.metrics import Metrics
@@ -38,7 +38,7 @@ class ServerState:
         self.args = args
         self.model_path = str(engine.model_path or args.model_path or "")
         self.tokenizer_path = args.tokenizer_path or self.model_path
-        self.served_model_name = args.served_model_name or self.model_path
+        self.served_model_name = args.served_model_name or default_served_model_name(self.model_path)
         self.context_length = engine.context_length
         self.chat_template = load_chat_template(args.chat_template)
         self.default_sampling = args.default_sampling_params()
