@@ -25,7 +25,13 @@ def test_checkpoint_profile_and_recipe():
     cfg = json.loads((ASSET / "config.json").read_text())
     assert cfg["architectures"] == ["LLaDAModelLM"]
     prof = json.loads((ASSET / "bicache_profile.json").read_text())
-    assert prof["criterion"] == "agreement" and prof["n_layers"] == cfg["n_layers"]
+    assert prof["criterion"] == "exact" and prof["n_layers"] == cfg["n_layers"] and prof["tolerance"] == 0.0
+    # every bucket's depth has its reason in the counts: no sample differed up to it (depth 1 already
+    # changed answers of this model in calibration, so the honest table is 0 everywhere)
+    for bk in prof["buckets"]:
+        if bk is not None and bk["depth"] is not None:
+            assert bk["disagreements_by_depth"][bk["depth"]] == 0
+            assert bk["depth"] == cfg["n_layers"] or bk["disagreements_by_depth"][bk["depth"] + 1] > 0
     assert all(0 <= b < cfg["n_layers"] for _, b in prof["table"])  # never the full depth: naive is unsafe
     info = json.loads((ASSET / "train_info.json").read_text())
     assert info["finished"] and "train_context" in info["command"] and info["args"]["task"] == "group"
