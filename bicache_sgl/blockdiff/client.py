@@ -259,7 +259,9 @@ class BlockEngineClient:
         threshold = p.threshold if p.threshold is not None else self.default_threshold
         return BlockParams(max_new_tokens=p.max_new_tokens, steps=steps, threshold=threshold,
                            temperature=float(temperature), top_k=p.top_k if p.top_k > 0 else None,
-                           top_p=p.top_p, seed=p.seed, stop_ids=end_ids)
+                           top_p=p.top_p, seed=p.seed, stop_ids=end_ids,
+                           edit_threshold=self.model_config.decode.edit_threshold,
+                           max_post_edit_steps=self.model_config.decode.max_post_edit_steps)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
