@@ -10,8 +10,12 @@ in another context (``reference_depth_forward``, tests/test_fidelity.py), and th
 A reference model is a plain dict (``load_reference_model``): ``L``, ``H``, ``Hkv``, ``D``, ``hd``,
 ``eps``, ``theta``, ``shift`` (1 for Dream: position i-1's output predicts token i), ``emb``
 [V, D], ``lnf`` [D], ``head`` [V, D] and ``layers``: per layer the weights ``an`` (attention
-norm), ``q``/``k``/``v``/``o`` (with biases ``qb``/``kb``/``vb`` or None), ``fn`` (MLP norm),
-``g``/``u``/``dn`` (SwiGLU gate, up, down), all float64 on the CPU.
+norm), ``q``/``k``/``v``/``o`` (with biases ``qb``/``kb``/``vb``/``ob`` or None), ``qn``/``kn``
+(per-head QK-norm or None), ``fn`` (MLP norm), ``g``/``u``/``dn`` (SwiGLU gate, up, down) or
+``moe`` (router, experts, top-k, expert bias, shared expert), all float64 on the CPU.
+
+Each format has its own branch with its own name map (LLaDA, Dream, LLaDA-MoE), chosen from
+the folder's config.json; tests/test_families.py checks that every registered family has one.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def load_reference_model(folder: str | Path) -> dict[str, Any]:
     sd = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         sd.update({k: v.double() for k, v in load_file(str(f)).items()})
+    if set(cfg.get("architectures") or []) & {"LLaDAMoEModelLM", "LLaDAMoEModel"}:
+        return _llada_moe(cfg, sd)
     if cfg.get("model_type") == "llada":
         P = "model.transformer."
         layer_names = {"an": "attn_norm", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "attn_out",
@@ -58,9 +64,65 @@ def load_reference_model(folder: str | Path) -> dict[str, Any]:
         w = {k: sd[pre + n + ".weight"] for k, n in layer_names.items()}
         for k in ("q", "k", "v"):
             w[k + "b"] = sd.get(pre + layer_names[k] + ".bias")
+        w["qn"] = w["kn"] = w["moe"] = None
         m["layers"].append(w)
     m["hd"] = m["D"] // m["H"]
     return m
+
+
+def _llada_moe(cfg: dict, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """LLaDA-MoE (LLaDAMoEModelLM): Qwen2-like names under ``model.``, per-head q/k RMSNorm, and
+    per layer either a routed mixture of SwiGLU experts (``mlp.gate`` router, ``mlp.experts.{e}``,
+    optional ``mlp.expert_bias`` and ``shared_expert``) or, where moe_layer_freq is 0, a dense
+    SwiGLU (``mlp.gate_proj``/``up_proj``/``down_proj``)."""
+    L = cfg["num_hidden_layers"]
+    freq = cfg.get("moe_layer_freq") or [1] * L
+    m = {"L": L, "H": cfg["num_attention_heads"], "Hkv": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+         "D": cfg["hidden_size"], "eps": cfg["rms_norm_eps"], "theta": cfg["rope_theta"], "shift": 0,
+         "emb": sd["model.embed_tokens.weight"], "lnf": sd["model.norm.weight"], "head": sd["lm_head.weight"],
+         "layers": []}
+    m["hd"] = m["D"] // m["H"]
+    for i in range(L):
+        pre = f"model.layers.{i}."
+        a = pre + "self_attn."
+        w = {"an": sd[pre + "input_layernorm.weight"], "fn": sd[pre + "post_attention_layernorm.weight"],
+             "q": sd[a + "q_proj.weight"], "k": sd[a + "k_proj.weight"], "v": sd[a + "v_proj.weight"],
+             "o": sd[a + "o_proj.weight"], "qb": sd.get(a + "q_proj.bias"), "kb": sd.get(a + "k_proj.bias"),
+             "vb": sd.get(a + "v_proj.bias"), "ob": sd.get(a + "o_proj.bias"),
+             "qn": sd.get(a + "q_norm.weight"), "kn": sd.get(a + "k_norm.weight"), "moe": None}
+        if freq[i]:
+            w["moe"] = {"router": sd[pre + "mlp.gate.weight"], "k": cfg["num_experts_per_tok"],
+                        "bias": sd.get(pre + "mlp.expert_bias"),
+                        "experts": [tuple(sd[f"{pre}mlp.experts.{e}.{n}.weight"] for n in ("gate_proj", "up_proj",
+                                                                                          "down_proj"))
+                                    for e in range(cfg["num_experts"])],
+                        "shared": (tuple(sd[f"{pre}shared_expert.{n}.weight"] for n in ("gate_proj", "up_proj",
+                                                                                       "down_proj"))
+                                   if pre + "shared_expert.gate_proj.weight" in sd else None)}
+        else:
+            w["g"], w["u"], w["dn"] = (sd[f"{pre}mlp.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+        m["layers"].append(w)
+    return m
+
+
+def _swiglu(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
+    gate = x @ g.T
+    return (gate * torch.sigmoid(gate) * (x @ u.T)) @ dn.T
+
+
+def _moe(moe: dict, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every row, combined with a [n, E] weight matrix that is zero outside each
+    row's top-k (softmax router probabilities, plus the expert bias, not renormalised), plus the
+    shared expert."""
+    probs = torch.softmax(x @ moe["router"].T, dim=-1)
+    if moe["bias"] is not None:
+        probs = probs + moe["bias"]
+    ranked = torch.argsort(probs, dim=-1, descending=True)[:, :moe["k"]]
+    weight = torch.zeros_like(probs).scatter(1, ranked, probs.gather(1, ranked))
+    out = sum(weight[:, e:e + 1] * _swiglu(x, *ex) for e, ex in enumerate(moe["experts"]))
+    if moe["shared"] is not None:
+        out = out + _swiglu(x, *moe["shared"])
+    return out
 
 
 def _rms(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,8 +147,10 @@ def _proj(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 def _qkv(m: dict, w: dict, x: torch.Tensor, pos: torch.Tensor) -> RefState:
     n, H, Hkv, hd = x.shape[0], m["H"], m["Hkv"], m["hd"]
     hn = _rms(x, w["an"], m["eps"])
-    q = _rope(_proj(hn, w["q"], w["qb"]).view(n, H, hd), pos, m["theta"])
-    k = _rope(_proj(hn, w["k"], w["kb"]).view(n, Hkv, hd), pos, m["theta"])
+    q, k = _proj(hn, w["q"], w["qb"]).view(n, H, hd), _proj(hn, w["k"], w["kb"]).view(n, Hkv, hd)
+    if w["qn"] is not None:  # QK-norm: each head's q and k, before RoPE
+        q, k = _rms(q, w["qn"], m["eps"]), _rms(k, w["kn"], m["eps"])
+    q, k = _rope(q, pos, m["theta"]), _rope(k, pos, m["theta"])
     v = _proj(hn, w["v"], w["vb"]).view(n, Hkv, hd)
     return q, k, v
 
@@ -99,8 +163,10 @@ def _attend_and_mlp(m: dict, w: dict, x: torch.Tensor, q: torch.Tensor, keys: to
     for h in range(H):
         kh, vh = keys[:, h // (H // Hkv)], vals[:, h // (H // Hkv)]
         heads.append(torch.softmax(q[:, h] @ kh.T / math.sqrt(hd), dim=-1) @ vh)
-    x = x + torch.cat(heads, dim=-1) @ w["o"].T
+    x = x + _proj(torch.cat(heads, dim=-1), w["o"], w.get("ob"))
     hn = _rms(x, w["fn"], m["eps"])
+    if w["moe"] is not None:
+        return x + _moe(w["moe"], hn)
     gate = hn @ w["g"].T
     return x + (gate * torch.sigmoid(gate) * (hn @ w["u"].T)) @ w["dn"].T
 

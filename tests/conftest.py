@@ -31,3 +31,9 @@ def tiny_llada_sharded(tmp_path_factory) -> str:
 def tiny_dream_sharded(tmp_path_factory) -> str:
     from bicache_sgl.testing import make_tiny_dream
     return make_tiny_dream(tmp_path_factory.mktemp("dream_sharded"), shards=2, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_moe(tmp_path_factory) -> str:
+    from bicache_sgl.testing import make_tiny_llada_moe
+    return make_tiny_llada_moe(tmp_path_factory.mktemp("llada_moe"), n_layers=3)

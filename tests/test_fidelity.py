@@ -9,9 +9,10 @@
 2. The depth-d forward against an independent reference (bicache_sgl.reference: plain torch ops on
    the checkpoint's tensors, float64, unbatched, no code shared with bicache_sgl.models): the prefix
    state captured by the runtime in ANOTHER context, then reused at every depth d, for several
-   prefix fractions r, LLaDA (with and without GQA) and Dream (GQA, shifted logits); logits agree to
-   1e-5. And same-context reuse through the Engine: the first-step logits of a repeated request
-   reusing its own earlier prefix at depth d equal those of the first run for every d.
+   prefix fractions r, LLaDA (with and without GQA), Dream (GQA, shifted logits) and LLaDA-MoE
+   (QK-norm, routed experts); logits agree to 1e-5. And same-context reuse through the Engine: the
+   first-step logits of a repeated request reusing its own earlier prefix at depth d equal those of
+   the first run for every d.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def test_calibration_finds_k_at_every_r(planted, tmp_path, criterion):
 
 
 # ------------------------------------------------------- independent reference of the depth-d forward
-@pytest.mark.parametrize("fixture", ["tiny_llada", "tiny_llada_gqa", "tiny_dream"])
+@pytest.mark.parametrize("fixture", ["tiny_llada", "tiny_llada_gqa", "tiny_dream", "tiny_llada_moe"])
 def test_depth_d_forward_matches_an_independent_reference(fixture, request):
     """The runtime's packed forward (``forward_batch``) of a sequence whose first p positions reuse
     a prefix state computed in another context, at every depth d, alone and all depths in one
@@ -256,7 +257,8 @@ def test_depth_d_forward_matches_an_independent_reference(fixture, request):
     dev = torch.device("cpu")
     rep = compare_depth_forward(folder, dev, create_backend("torch", dev))
     L = cfg.n_layers
-    assert rep.logit_shift == rep.ref_shift and (fixture == "tiny_llada" or cfg.n_kv_heads < cfg.n_heads)
+    assert rep.logit_shift == rep.ref_shift and (fixture in ("tiny_llada", "tiny_llada_moe")
+                                                 or cfg.n_kv_heads < cfg.n_heads)
     # the runtime's dense forward reproduces the reference's cached state of the other context
     assert rep.states_err < 1e-5, (fixture, rep.states_err)
     # every depth alone, then all depths in one batch (mixed depths in one forward), for the span

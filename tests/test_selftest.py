@@ -30,6 +30,7 @@ from bicache_sgl.selftest.report import FAIL, PASS, exit_status, format_table
 CPU = torch.device("cpu")
 EXACTNESS_ROWS = ("depth 0 == cache off", "batched == alone (mixed depths)",
                   "depth-d forward vs float64 (bundled LLaDA)", "depth-d forward vs float64 (random Dream, GQA)",
+                  "depth-d forward vs float64 (random LLaDA-MoE, 8 experts top-2)",
                   "block-causal forward vs float64 (random LLaDA2, MoE)",
                   "block-causal forward vs float64 (random SDAR)",
                   "exact block reuse == cache off (random LLaDA2, MoE)")
@@ -59,13 +60,17 @@ def test_selftest_command_on_cpu_passes_and_prints_every_row():
     assert "full depth 32" in row("sizing: LLaDA-8B shape (no weights)")
     # K+V+h of one LLaDA-8B layer-token in float32 (the CPU's dtype): (2 * 4096 + 4096) * 4 bytes
     assert "49,152 B each" in row("sizing: LLaDA-8B shape (no weights)")
+    # LLaDA-MoE-7B-A1B: K+V+h of one layer-token in float32: (2 * 2048 + 2048) * 4 bytes, and its
+    # weights count all 64 experts of every layer (7.36B parameters, 28,064 MiB in float32)
+    moe = row("sizing: LLaDA-MoE-7B-A1B shape (no weights)")
+    assert "full depth 16" in moe and "24,576 B each" in moe and "weights 28,0" in moe
     for mode in ("cache off", "bicache"):
         assert "output tok/s" in row(mode)
     ratio = row("bicache / off").split("info", 1)[1].split()[0]
     assert ratio.endswith("x") and float(ratio[:-1]) > 0
     assert "K/V 81,920 B/token (20 layers)" in row("sizing: LLaDA2.0-mini shape (no weights)")
     assert "K/V 294,912 B/token (36 layers)" in row("sizing: SDAR-8B shape (no weights)")
-    assert "selftest: OK: 7 passed, 0 failed, 1 skipped" in out
+    assert "selftest: OK: 8 passed, 0 failed, 1 skipped" in out
 
 
 class StaleLayerAttention(TorchAttention):
@@ -143,7 +148,13 @@ def test_sizing_rows_are_the_engines_own_plan():
     """The memory rows call plan_memory as the engine does: an engine on the bundled model ends up
     with exactly the plan the self-test prints for it (and the LLaDA-8B shape is 8.0B parameters)."""
     from bicache_sgl.models.config import parse_model_config
-    from bicache_sgl.selftest.sizing import LLADA_8B_CONFIG, engine_plan, memory_rows, weight_bytes
+    from bicache_sgl.selftest.sizing import (
+        LLADA_8B_CONFIG,
+        LLADA_MOE_7B_CONFIG,
+        engine_plan,
+        memory_rows,
+        weight_bytes,
+    )
     eng = Engine(default_model_path(), device="cpu", num_threads=1)
     try:
         dtype, plan = engine_plan(eng.model_config, CPU, eng.policy.max_node_depth)
@@ -155,6 +166,10 @@ def test_sizing_rows_are_the_engines_own_plan():
     cfg = parse_model_config(LLADA_8B_CONFIG)
     assert (cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == (32, 4096, 32, 32, 126464)
     assert round(weight_bytes(cfg, torch.bfloat16) / 2 / 1e9, 2) == 8.02
+    # LLaDA-MoE-7B-A1B: every expert's weights are resident (7.36B parameters; about 1.4B active per token)
+    moe = parse_model_config(LLADA_MOE_7B_CONFIG)
+    assert moe.arch == "llada_moe" and (moe.moe.n_experts, moe.moe.top_k) == (64, 8)
+    assert round(weight_bytes(moe, torch.bfloat16) / 2 / 1e9, 2) == 7.36
     # on an H200 with the weights loaded: the pools fit what is left
     free = (139 << 30) - weight_bytes(cfg, torch.bfloat16)
     dtype, h200 = engine_plan(cfg, torch.device("cuda"), 32, free_bytes=free)

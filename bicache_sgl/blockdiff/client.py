@@ -130,7 +130,15 @@ class BlockEngineClient:
         self.default_threshold = d.threshold if d.threshold != dd.threshold else None
         self.default_steps = d.steps_per_block
         self.tokenizer = load_tokenizer(config.tokenizer_path or self.model_path, config.chat_template)
-        self.eos_ids = tuple(cfg.eos_token_ids)
+        # config.json's EOS ids, the family's end-of-turn tokens in this vocabulary and the
+        # tokenizer's EOS (as the bidirectional engine's loader does): the server's end ids
+        from ..models.families import family_named
+        vocab = self.tokenizer.get_vocab()
+        eos = set(cfg.eos_token_ids)
+        eos.update(int(vocab[t]) for t in family_named(cfg.family).end_of_turn if t in vocab)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = tuple(sorted(eos))
         self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         B = cfg.decode.block_length
         cache_blocks = (config.max_prefix_cache_tokens or DEFAULT_CACHE_TOKENS) // B

@@ -15,14 +15,12 @@ from ..config import EngineConfig
 from ..kv_cache.pool import KVPool
 from ..kv_cache.store import SeqKV
 from ..models.config import ModelConfig
+from ..models.families import family_named
 from ..models.forward_batch import ForwardBatch, SeqWork
 from ..models.loader import load_model, load_tokenizer, resolve_model_path
 from ..models.model import DiffusionLM
 
 log = logging.getLogger(__name__)
-
-# Special tokens that end a turn in the chat formats of the supported models.
-_END_OF_TURN_TOKENS = ("<|eot_id|>", "<|endoftext|>", "<|im_end|>")
 
 
 def pick_device(name: str) -> torch.device:
@@ -53,7 +51,7 @@ def load(cfg: EngineConfig) -> LoadedModel:
     tok = load_tokenizer(cfg.tokenizer_path or path, cfg.chat_template)
     eos = set(mc.eos_token_ids)
     vocab = tok.get_vocab()
-    eos.update(int(vocab[t]) for t in _END_OF_TURN_TOKENS if t in vocab)
+    eos.update(int(vocab[t]) for t in family_named(mc.arch).end_of_turn if t in vocab)
     if tok.eos_token_id is not None:
         eos.add(int(tok.eos_token_id))
     return LoadedModel(model, mc, path, tok, tuple(sorted(eos)), device, next(model.parameters()).dtype)

@@ -1,8 +1,9 @@
-"""One native torch implementation for both supported diffusion LMs (LLaDA and Dream).
+"""One native torch implementation for every registered model family (models/families/).
 
-Both are pre-norm Llama-style stacks with bidirectional attention: RMSNorm, RoPE (rotate-half,
-applied in fp32), SwiGLU MLP. They differ only in tensor names, biases, GQA and Dream's logit
-shift, all captured by ModelConfig and models/weights.py.
+All are pre-norm Llama-style stacks with bidirectional attention: RMSNorm, RoPE (rotate-half,
+applied in fp32), a SwiGLU FFN or a mixture of SwiGLU experts (LLaDA-MoE). They differ in tensor
+names, biases, GQA, QK-norm, the FFN and Dream's logit shift, all captured by ModelConfig (the
+family's parse) and the family's tensor-name map.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from ..attention.base import AttentionBackend
 from ..attention.torch_backend import sdpa_batched
-from .config import ModelConfig
+from .config import ModelConfig, MoESpec
 from .forward_batch import ForwardBatch
 
 
@@ -30,8 +31,79 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
+def _fuse_rows(parts: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input, stacked by output rows;
+    each projection's weight becomes a view into it, so memory does not grow and a later
+    in-place load into either stays visible to both."""
+    w = torch.cat([p.weight.data for p in parts], dim=0)
+    b = torch.cat([p.bias.data for p in parts], dim=0) if parts[0].bias is not None else None
+    off = 0
+    for p in parts:
+        n = p.weight.shape[0]
+        p.weight = nn.Parameter(w[off:off + n], requires_grad=False)
+        if b is not None:
+            p.bias = nn.Parameter(b[off:off + n], requires_grad=False)
+        off += n
+    return w, b
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), bias-free: one MoE expert, or a shared expert."""
+
+    def __init__(self, d: int, ff: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ff, bias=False)
+        self.up_proj = nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+        self._gate_up_w: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        if self._gate_up_w is None:
+            self._gate_up_w, _ = _fuse_rows((self.gate_proj, self.up_proj))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, D] -> [n, D]; one GEMM for gate/up once fused (same products, same rounding)."""
+        if self._gate_up_w is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+def moe_ffn(x: torch.Tensor, router: nn.Linear, expert_bias: torch.Tensor | None, spec: MoESpec,
+            experts: nn.ModuleList) -> torch.Tensor:
+    """The routed experts' output for tokens x [n, D] (MoESpec): router logits in x's dtype,
+    softmax in float32 (+ the expert bias), the top-k probabilities (renormalised only with
+    ``norm_topk_prob``) cast to x's dtype weight each chosen expert's output.
+
+    Batched: the n * top_k (token, expert) pairs are sorted by expert (stable), so each expert
+    runs ONE GEMM over the contiguous run of its tokens (one pass over the experts, none over
+    tokens; experts no token chose are skipped), and the weighted outputs are scattered back
+    with one index_add_ (per token in ascending expert order, as the published loop adds them).
+    The counts per expert cost one device -> host read per layer."""
+    k = spec.top_k
+    probs = router(x).float().softmax(dim=-1)  # [n, E]
+    if expert_bias is not None:
+        probs = probs + expert_bias.float()
+    w, idx = probs.topk(k, dim=-1)  # [n, k]
+    if spec.norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    flat = idx.reshape(-1)  # [n * k]: pair j is token j // k
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=spec.n_experts).tolist()
+    tok = order // k
+    xs = x.index_select(0, tok)  # [n * k, D], grouped by expert
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            outs.append(experts[e](xs[start:start + c]))
+            start += c
+    ys = torch.cat(outs) if outs else xs[:0]
+    ys = ys * w.reshape(-1).index_select(0, order).to(x.dtype)[:, None]
+    return torch.zeros_like(x).index_add_(0, tok, ys)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         d, qd, kv, ff = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.intermediate_size
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -39,36 +111,42 @@ class DecoderLayer(nn.Module):
         self.k_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(qd, d, bias=cfg.o_bias)
+        # QK-norm (LLaDA-MoE): an RMSNorm over each head's q and k, before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(ff, d, bias=cfg.mlp_bias)
+        self.moe = cfg.moe if cfg.is_moe_layer(index) else None
+        if self.moe is None:  # dense SwiGLU
+            self.gate_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
+            self.up_proj = nn.Linear(d, ff, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(ff, d, bias=cfg.mlp_bias)
+        else:  # router, experts, optional expert bias and shared expert (MoESpec)
+            m = self.moe
+            self.router = nn.Linear(d, m.n_experts, bias=False)
+            self.experts = nn.ModuleList(SwiGLU(d, m.expert_size) for _ in range(m.n_experts))
+            self.expert_bias = nn.Parameter(torch.zeros(m.n_experts)) if m.expert_bias else None
+            self.shared_expert = SwiGLU(d, m.shared_expert_size) if m.shared_expert_size else None
         self._fused = False
 
     def fuse(self) -> None:
-        """One GEMM for q/k/v and one for gate/up (fewer kernel launches per layer). The separate
-        projections' weights become views into the fused tensors, so memory does not grow and a
-        later in-place load into either stays visible to both. Done once, after loading: the
-        checkpoint format is unchanged."""
+        """One GEMM for q/k/v and one for gate/up (fewer kernel launches per layer; per expert in
+        a MoE layer). The separate projections' weights become views into the fused tensors, so
+        memory does not grow and a later in-place load into either stays visible to both. Done
+        once, after loading: the checkpoint format is unchanged."""
         if self._fused:
             return
-        groups = (("qkv", (self.q_proj, self.k_proj, self.v_proj)), ("gate_up", (self.gate_proj, self.up_proj)))
-        for name, parts in groups:
-            w = torch.cat([p.weight.data for p in parts], dim=0)
-            b = torch.cat([p.bias.data for p in parts], dim=0) if parts[0].bias is not None else None
-            off = 0
-            for p in parts:
-                n = p.weight.shape[0]
-                p.weight = nn.Parameter(w[off:off + n], requires_grad=False)
-                if b is not None:
-                    p.bias = nn.Parameter(b[off:off + n], requires_grad=False)
-                off += n
-            setattr(self, f"_{name}_w", w)
-            setattr(self, f"_{name}_b", b)
+        self._qkv_w, self._qkv_b = _fuse_rows((self.q_proj, self.k_proj, self.v_proj))
+        if self.moe is None:
+            self._gate_up_w, self._gate_up_b = _fuse_rows((self.gate_proj, self.up_proj))
+            self._down_wt = self.down_proj.weight.data.t() if self.down_proj.bias is None else None
+        else:
+            for ex in self.experts:
+                ex.fuse()
+            if self.shared_expert is not None:
+                self.shared_expert.fuse()
         # [in, out] views for addmm(residual, x, w_t): the residual add happens inside the GEMM
         # (one op instead of linear + add); None where a bias must be added first
         self._o_wt = self.o_proj.weight.data.t() if self.o_proj.bias is None else None
-        self._down_wt = self.down_proj.weight.data.t() if self.down_proj.bias is None else None
         self._fused = True
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,8 +159,21 @@ class DecoderLayer(nn.Module):
             return h + self.o_proj(a)
         return torch.addmm(h, a, self._o_wt)
 
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN of the normalised residual x [..., D] with the separate projections
+        (differentiable; the dense forward): SwiGLU, or the routed experts (+ the shared one)."""
+        if self.moe is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        flat = x.reshape(-1, x.shape[-1])
+        out = moe_ffn(flat, self.router, self.expert_bias, self.moe, self.experts)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.view(x.shape)
+
     def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
-        """h [n, D] + SwiGLU MLP(ffn_norm(h)), with the fused gate/up GEMM."""
+        """h [n, D] + FFN(ffn_norm(h)), with the fused GEMMs."""
+        if self.moe is not None:
+            return h + self.ffn(self.ffn_norm(h))
         gate, up = F.linear(self.ffn_norm(h), self._gate_up_w, self._gate_up_b).chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
         if self._down_wt is None:
@@ -96,7 +187,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DiffusionLM(nn.Module):
-    """LLaDA / Dream transformer with a packed, cache-aware forward (``forward_batch``, serving) and a
+    """The diffusion LM of any registered family, with a packed, cache-aware forward (``forward_batch``, serving) and a
     plain dense one (``forward``: batched and differentiable, used for training; ``forward_dense``:
     one sequence without autograd, used for calibration and checks)."""
 
@@ -104,7 +195,7 @@ class DiffusionLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -160,7 +251,10 @@ class DiffusionLM(nn.Module):
         cfg = self.cfg
         H, Hkv = cfg.n_heads, cfg.n_kv_heads
         qkv = layer.qkv(layer.attn_norm(h)).view(-1, H + 2 * Hkv, cfg.head_dim)
-        qk = self.apply_rope(qkv[:, :H + Hkv], rope)
+        if layer.q_norm is None:
+            qk = self.apply_rope(qkv[:, :H + Hkv], rope)
+        else:
+            qk = self.apply_rope(torch.cat([layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H:H + Hkv])], dim=1), rope)
         return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
 
     # ---- dense forward ------------------------------------------------------------------------
@@ -177,14 +271,16 @@ class DiffusionLM(nn.Module):
         states = []
         for layer in self.layers:
             x = layer.attn_norm(h)
-            q = self.apply_rope(layer.q_proj(x).view(B, N, cfg.n_heads, cfg.head_dim), rope)
-            k = self.apply_rope(layer.k_proj(x).view(B, N, cfg.n_kv_heads, cfg.head_dim), rope)
+            q = layer.q_proj(x).view(B, N, cfg.n_heads, cfg.head_dim)
+            k = layer.k_proj(x).view(B, N, cfg.n_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = self.apply_rope(q, rope), self.apply_rope(k, rope)
             v = layer.v_proj(x).view(B, N, cfg.n_kv_heads, cfg.head_dim)
             if return_states:
                 states.append((h, k, v))
             h = h + layer.o_proj(sdpa_batched(q, k, v, attn_mask).reshape(B, N, -1))
-            x = layer.ffn_norm(h)
-            h = h + layer.down_proj(F.silu(layer.gate_proj(x)) * layer.up_proj(x))
+            h = h + layer.ffn(layer.ffn_norm(h))
         logits = self.lm_logits(h)
         return (logits, states) if return_states else logits
 

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from ..attention import ALIASES, available_backends, create_backend
 from ..engine.engine import Engine
 from ..engine.model_runner import pick_device
 from ..models.loader import default_model_path, load_model_config
-from ..testing import make_tiny_dream
+from ..testing import make_tiny_dream, make_tiny_llada_moe
 from ..testing.block import make_tiny_llada2, make_tiny_sdar
 from .battery import (
     ENGINE_DECODE,
@@ -40,11 +41,12 @@ DESCRIPTION = """\
 Self-test of bicache-sgl on the device present (default: cuda if available, else cpu).
 
 (a) exactness: depth 0 == cache off, a batch of mixed bicache depths == each request alone, the
-    packed depth-d forward vs an independent float64 reference (the bundled LLaDA model and a
-    random Dream with GQA), FlashInfer == the torch backend (skipped, and said so, where
-    FlashInfer is not installed or there is no CUDA device);
+    packed depth-d forward vs an independent float64 reference (the bundled LLaDA model, a
+    random Dream with GQA, a random LLaDA-MoE), FlashInfer == the torch backend (skipped, and
+    said so, where FlashInfer is not installed or there is no CUDA device);
 (b) memory: the prefix-pool and request K/V sizing an engine would use on this device, for the
-    bundled model and for a LLaDA-8B-shaped config (built in memory, no weights);
+    bundled model and for LLaDA-8B- and LLaDA-MoE-7B-A1B-shaped configs (built in memory, no
+    weights);
 (c) throughput: cache off vs bicache on the bundled model, few-shot shared-prefix workload,
     output tokens/s and the ratio (--probe-seconds in all, 0 to skip).
 
@@ -137,8 +139,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     rows += guarded(SECTION, "batched == alone (mixed depths)",
                     lambda: check_batched_equals_alone(exact, work, n_layers))
     with tempfile.TemporaryDirectory(prefix="bicache-selftest-") as tmp:
-        dream = make_tiny_dream(tmp, n_layers=4, hidden_size=64, n_heads=4, n_kv_heads=2)
-        for folder, label in ((bundled, "bundled LLaDA"), (dream, "random Dream, GQA")):
+        dream = make_tiny_dream(Path(tmp) / "dream", n_layers=4, hidden_size=64, n_heads=4, n_kv_heads=2)
+        moe = make_tiny_llada_moe(Path(tmp) / "moe", n_layers=4, n_experts=8, top_k=2)
+        for folder, label in ((bundled, "bundled LLaDA"), (dream, "random Dream, GQA"),
+                              (moe, "random LLaDA-MoE, 8 experts top-2")):
             rows += guarded(SECTION, f"depth-d forward vs float64 ({label})",
                             lambda f=folder, la=label: depth_row(f, la))
         llada2 = make_tiny_llada2(f"{tmp}/llada2", block_length=4)

@@ -1,6 +1,7 @@
 """The memory sizing an engine would use on this device (``engine.stack.plan_for``, the sizing
 call every engine stack makes, under the default ``EngineConfig``), for the bundled
-model and for a LLaDA-8B-shaped config built in memory (no weights are read or allocated).
+model and for LLaDA-8B- and LLaDA-MoE-7B-A1B-shaped configs built in memory (no weights are read
+or allocated; a MoE's weights count every expert, all of which are resident).
 
 On CUDA the engine sizes its pools from the memory free after loading the weights; here the
 weights are not loaded, so their bytes (from the checkpoint's tensor shapes) are taken off what
@@ -35,6 +36,18 @@ LLADA_8B_CONFIG = {
     "max_sequence_length": 4096, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "mask_token_id": 126336,
     "eos_token_id": 126081, "pad_token_id": 126081, "weight_tying": False, "include_bias": False,
     "include_qkv_bias": False, "torch_dtype": "bfloat16",
+}
+
+# LLaDA-MoE-7B-A1B's shape (inclusionAI/LLaDA-MoE-7B-A1B-Instruct config.json): 16 layers, hidden
+# 2048, 16 heads without GQA, 64 SwiGLU experts of 1024 per layer (top-8), vocabulary 157184, bf16:
+# 7.36B parameters, of which the experts are 6.4B
+LLADA_MOE_7B_CONFIG = {
+    "architectures": ["LLaDAMoEModelLM"], "model_type": "llada", "hidden_size": 2048, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "dense_intermediate_size": 8192,
+    "expert_intermediate_size": 1024, "shared_expert_intermediate_size": None, "num_experts": 64,
+    "num_experts_per_tok": 8, "moe_layer_freq": [1] * 16, "qk_layernorm": True, "attention_bias": False,
+    "rope_theta": 50000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "vocab_size": 157184,
+    "tie_word_embeddings": False, "eos_token_id": 156892, "pad_token_id": 156892, "torch_dtype": "bfloat16",
 }
 
 
@@ -88,14 +101,17 @@ def memory_row(label: str, cfg: ModelConfig, device: torch.device, max_depth: in
 
 
 def memory_rows(bundled_path: str, device: torch.device) -> list[Row]:
-    """The bundled model at its default policy's node depth, LLaDA-8B at full depth (the most any
-    profile can allow: every layer of every cached token)."""
+    """The bundled model at its default policy's node depth, LLaDA-8B and LLaDA-MoE-7B-A1B at full
+    depth (the most any profile can allow: every layer of every cached token)."""
     cfg = load_model_config(bundled_path)
     ec = EngineConfig()
     policy = make_policy(ec.prefix_cache, cfg.n_layers, find_profile(bundled_path, None, cfg.n_layers))
     depth = policy.max_node_depth
     big = parse_model_config(LLADA_8B_CONFIG, "LLaDA-8B shape")
     from .block_sizing import block_memory_rows
+    moe = parse_model_config(LLADA_MOE_7B_CONFIG, "LLaDA-MoE-7B-A1B shape")
     return [memory_row("bundled model", cfg, device, depth, f"{ec.prefix_cache} nodes hold <= {depth} layers"),
             memory_row("LLaDA-8B shape (no weights)", big, device, big.n_layers, f"full depth {big.n_layers}"),
+            memory_row("LLaDA-MoE-7B-A1B shape (no weights)", moe, device, moe.n_layers,
+                       f"full depth {moe.n_layers}"),
             *block_memory_rows(device)]

@@ -23,9 +23,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end
                  "\n\n{% endif %}")
 
 
-def save_byte_tokenizer(folder: str | Path) -> dict[str, int]:
-    """A byte-level tokenizer (one token per UTF-8 byte, 256 ids) plus special tokens.
-    Returns the special-token ids."""
+def save_byte_tokenizer(folder: str | Path, special: tuple[str, ...] | list[str] = tuple(SPECIAL_TOKENS),
+                        chat_template: str | None = CHAT_TEMPLATE, mask_token: str = "<|mask|>") -> dict[str, int]:
+    """A byte-level tokenizer (one token per UTF-8 byte, 256 ids) plus ``special`` tokens (the
+    first is EOS and pad), with ``chat_template`` (None: none in the tokenizer). Returns the
+    special-token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,21 +36,28 @@ def save_byte_tokenizer(folder: str | Path) -> dict[str, int]:
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   mask_token="<|mask|>")
-    fast.chat_template = CHAT_TEMPLATE
+    tk.add_special_tokens(list(special))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=special[0], pad_token=special[0],
+                                   mask_token=mask_token)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(folder))
-    return {t: tk.token_to_id(t) for t in SPECIAL_TOKENS}
+    return {t: tk.token_to_id(t) for t in special}
 
 
-def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: int, std: float) -> None:
+def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: int, std: float,
+                   stds: dict[str, float] | None = None) -> None:
+    """Random weights for every tensor of the config's family; ``stds``: the std of the tensors
+    whose runtime name ends with a key (else ``std``; norms near 1, biases small)."""
     from safetensors.torch import save_file
     cfg = parse_model_config(cfg_dict)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for ours, (ck, shape) in checkpoint_names(cfg).items():
-        if ours.endswith("norm.weight"):
+        special = [v for k, v in (stds or {}).items() if ours.endswith(k)]
+        if special:
+            t = special[0] * torch.randn(shape, generator=g)
+        elif ours.endswith("norm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         elif ours.endswith(".bias"):
             t = 0.02 * torch.randn(shape, generator=g)
@@ -115,7 +124,46 @@ def make_tiny_dream(folder: str | Path, *, n_layers: int = 4, hidden_size: int =
     return str(folder)
 
 
+# LLaDA-MoE's special tokens (Ling's chat format); the first is EOS and pad
+LLADA_MOE_SPECIAL_TOKENS = ("<|endoftext|>", "<|role_end|>", "<|mask|>", "<role>", "</role>")
+
+
+def make_tiny_llada_moe(folder: str | Path, *, n_layers: int = 4, hidden_size: int = 64, n_heads: int = 4,
+                        n_kv_heads: int | None = None, n_experts: int = 8, top_k: int = 2, expert_size: int = 32,
+                        moe_layer_freq: list[int] | None = None, shared_expert_size: int | None = None,
+                        expert_bias: bool = False, dense_size: int = 96, seed: int = 0, shards: int = 1,
+                        std: float = 0.08, router_std: float = 0.2, embed_std: float = 1.0) -> str:
+    """A random LLaDA-MoE checkpoint (LLaDAMoEModelLM config keys and tensor names: QK-norm,
+    per-expert SwiGLU tensors; a router whose ``router_std``, with embeddings of ``embed_std``
+    that keep the residual token-specific, makes routing differ between tokens).
+    config.json names ``mask_token_id`` (the published one does not: its <|mask|> id, 156895, is
+    outside this vocabulary). The tokenizer ships no chat template: the family's is used."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    special = save_byte_tokenizer(folder, LLADA_MOE_SPECIAL_TOKENS, chat_template=None)
+    vocab = 256 + len(LLADA_MOE_SPECIAL_TOKENS)
+    cfg = {
+        "architectures": ["LLaDAMoEModelLM"], "model_type": "llada", "hidden_act": "silu",
+        "hidden_size": hidden_size, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads or n_heads, "dense_intermediate_size": dense_size,
+        "expert_intermediate_size": expert_size, "shared_expert_intermediate_size": shared_expert_size,
+        "num_experts": n_experts, "num_experts_per_tok": top_k, "norm_topk_prob": False,
+        "moe_layer_freq": moe_layer_freq or [1] * n_layers, "moe_router_enable_expert_bias": expert_bias,
+        "moe_router_score_function": "softmax", "routed_scaling_factor": 1, "qk_layernorm": True,
+        "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "rope_theta": 50000.0,
+        "rope_scaling": None, "partial_rotary_factor": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "vocab_size": vocab, "router_aux_loss_coef": 0.01, "use_cache": False,
+        "mask_token_id": special["<|mask|>"], "eos_token_id": special["<|endoftext|>"],
+        "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    _write_weights(folder, cfg, seed, shards, std, stds={"router.weight": router_std, "expert_bias": 0.05,
+                                                               "embed.weight": embed_std})
+    return str(folder)
+
+
 # family name (models.families.FAMILIES) -> its tiny maker: maker(folder, **kw) -> folder
 from .block import make_tiny_llada2, make_tiny_sdar  # noqa: E402 (it imports this module's tokenizer helpers)
 
-TINY_MAKERS = {"llada": make_tiny_llada, "dream": make_tiny_dream, "llada2": make_tiny_llada2, "sdar": make_tiny_sdar}
+TINY_MAKERS = {"llada": make_tiny_llada, "dream": make_tiny_dream, "llada_moe": make_tiny_llada_moe,
+               "llada2": make_tiny_llada2, "sdar": make_tiny_sdar}

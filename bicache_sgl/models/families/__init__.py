@@ -13,12 +13,12 @@ from typing import Any
 
 from ...decoding.plan import FamilyDecoding
 from ..spec import CheckpointError, ModelConfig
-from . import dream, llada, llada2, sdar
+from . import dream, llada, llada2, llada_moe, sdar
 from .base import Family, TensorMap
 
 # registration order breaks model_type ties (marker keys first)
 FAMILIES: Mapping[str, Family] = MappingProxyType(
-    {f.name: f for f in (llada.FAMILY, dream.FAMILY, llada2.FAMILY, sdar.FAMILY)})
+    {f.name: f for f in (llada.FAMILY, dream.FAMILY, llada_moe.FAMILY, llada2.FAMILY, sdar.FAMILY)})
 
 __all__ = ["FAMILIES", "Family", "TensorMap", "checkpoint_names", "family_decoding", "family_named", "family_of",
            "parse_model_config"]

@@ -27,6 +27,9 @@ TensorMap = dict[str, tuple[str, tuple[int, ...]]]
 # "exact": block-causal attention (LLaDA2.x, SDAR), so a cached whole block is exact in every
 # later context with the same blocks before it: reused at full depth, no profile.
 PREFIX_REUSE = ("bicache", "exact")
+# special tokens that end a turn in the chat formats of LLaDA, Dream and the bundled model: the
+# engine stops a generation at any of them present in the vocabulary (with config.json's EOS ids)
+END_OF_TURN = ("<|eot_id|>", "<|endoftext|>", "<|im_end|>")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class Family:
     config wins (else the first registered). ``parse(cfg, name)`` returns the ModelConfig (with
     ``arch == name``) or raises CheckpointError naming the key at fault; ``tensor_names(cfg)``
     is the checkpoint's tensor-name map. ``chat_template``: the template used when the folder's
-    tokenizer has none (None: no fallback)."""
+    tokenizer has none (None: no fallback). ``end_of_turn``: special tokens that end a
+    generation besides config.json's EOS ids (those in the vocabulary)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -50,6 +54,7 @@ class Family:
     prefix_reuse: str = "bicache"
     marker_keys: tuple[str, ...] = ()
     chat_template: str | None = None
+    end_of_turn: tuple[str, ...] = END_OF_TURN
 
     def __post_init__(self) -> None:
         if self.prefix_reuse not in PREFIX_REUSE:
