@@ -78,6 +78,13 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
     if cfg.prefix_cache not in ("off", "bicache"):
         raise ValueError(f"--prefix-cache {cfg.prefix_cache}: {family} takes off or bicache (exact whole-block "
                          "reuse)")
+    base = EngineConfig()
+    for name in ("max_total_tokens", "mem_fraction_static", "bicache_audit_rate", "bicache_audit_min_agreement",
+                 "bicache_audit_probation", "calibration_budget_s"):
+        if getattr(cfg, name) != getattr(base, name):
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: its engine has no bicache pool, "
+                             "profile or audit (exact block reuse); --max-running-requests and "
+                             "--max-prefix-cache-tokens size it")
     d, dd = cfg.decode, DecodeDefaults()
     for name in ("cache_mode", "refresh_interval", "step_rows", "dllm_algorithm", "dllm_eps", "dllm_alg_temp"):
         if getattr(d, name) != getattr(dd, name):
