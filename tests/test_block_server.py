@@ -139,3 +139,15 @@ def test_openai_chat_and_sglang_frontend(server):
     states = qa.run_batch([{"question": "one"}, {"question": "two"}], num_threads=2)
     assert all(st.error() is None for st in states), [str(st.error()) for st in states]
     assert all(isinstance(st["answer"], str) for st in states)
+
+
+@pytest.mark.parametrize("flags,name", [({"bicache_profile": "p.json"}, "--bicache-profile"),
+                                        ({"max_total_tokens": 1000}, "--max-total-tokens"),
+                                        ({"prefix_cache": "fixed:2"}, "--prefix-cache"),
+                                        ({"attention_backend": "nope"}, "--attention-backend")])
+def test_flags_without_meaning_for_block_families_are_refused(flags, name):
+    from bicache_sgl.blockdiff.client import check_engine_flags
+    from bicache_sgl.config import EngineConfig
+    check_engine_flags(EngineConfig(), "llada2")  # the defaults are fine
+    with pytest.raises(ValueError, match=name):
+        check_engine_flags(EngineConfig(**flags), "llada2")
