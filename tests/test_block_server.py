@@ -15,7 +15,7 @@ import pytest
 from bicache_sgl.blockdiff.engine import BlockEngine, BlockEngineOptions, BlockParams
 from bicache_sgl.models.block_model import load_block_model
 from bicache_sgl.runtime import Runtime, http_json
-from bicache_sgl.testing.block import make_tiny_llada2
+from bicache_sgl.testing.block import make_tiny_llada2, make_tiny_sdar
 
 B = 4
 PROMPT = "The block-diffusion server answers this prompt."
@@ -139,3 +139,58 @@ def test_openai_chat_and_sglang_frontend(server):
     states = qa.run_batch([{"question": "one"}, {"question": "two"}], num_threads=2)
     assert all(st.error() is None for st in states), [str(st.error()) for st in states]
     assert all(isinstance(st["answer"], str) for st in states)
+
+
+@pytest.mark.parametrize("flags,name", [({"bicache_profile": "p.json"}, "--bicache-profile"),
+                                        ({"max_total_tokens": 1000}, "--max-total-tokens"),
+                                        ({"prefix_cache": "fixed:2"}, "--prefix-cache"),
+                                        ({"attention_backend": "nope"}, "--attention-backend")])
+def test_flags_without_meaning_for_block_families_are_refused(flags, name):
+    from bicache_sgl.blockdiff.client import check_engine_flags
+    from bicache_sgl.config import EngineConfig
+    check_engine_flags(EngineConfig(), "llada2")  # the defaults are fine
+    with pytest.raises(ValueError, match=name):
+        check_engine_flags(EngineConfig(**flags), "llada2")
+
+
+def test_engine_client_serves_sdar_and_aborts(tmp_path):
+    """The EngineClient the server uses, in process, on a tiny SDAR folder: its final event equals
+    the offline engine (EOS excluded, as the server reports it) with the exact-reuse fields; an
+    aborted request ends with finish_reason abort."""
+    import threading
+
+    from bicache_sgl.blockdiff.client import BlockEngineClient
+    from bicache_sgl.config import EngineConfig, SamplingParams
+    from bicache_sgl.io_struct import GenerateRequest
+
+    folder = make_tiny_sdar(tmp_path / "sdar", block_length=B)
+    client = BlockEngineClient(EngineConfig(model_path=folder, num_threads=1))
+    try:
+        events: dict[str, list] = {}
+        done = {k: threading.Event() for k in ("a", "b", "c")}
+
+        def keep(key):
+            def cb(ev):
+                events.setdefault(key, []).append(ev)
+                if ev.finished:
+                    done[key].set()
+            return cb
+
+        ids = list(range(40, 51))
+        params = SamplingParams(max_new_tokens=10, temperature=0)
+        client.submit(GenerateRequest(input_ids=ids, params=params), keep("a"))
+        assert done["a"].wait(60)
+        client.submit(GenerateRequest(input_ids=ids, params=params), keep("b"))
+        assert done["b"].wait(60)
+        offline = BlockEngine(load_block_model(folder), BlockEngineOptions(prefix_cache=False)).run(
+            [ids], BlockParams(max_new_tokens=10, stop_ids=client.eos_ids))[0]
+        want = offline.tokens[:-1] if offline.meta["finish_reason"] == "stop" else offline.tokens
+        first, second = events["a"][-1], events["b"][-1]
+        assert first.output_ids == want == second.output_ids
+        assert second.meta_info["cached_tokens"] == 8 and second.meta_info["bicache_depth"] == 3
+        rid = client.submit(GenerateRequest(input_ids=ids, params=SamplingParams(max_new_tokens=4000)), keep("c"))
+        client.abort(rid)
+        assert done["c"].wait(60)
+        assert events["c"][-1].finish_reason["type"] == "abort"
+    finally:
+        client.shutdown()

@@ -78,6 +78,13 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
     if cfg.prefix_cache not in ("off", "bicache"):
         raise ValueError(f"--prefix-cache {cfg.prefix_cache}: {family} takes off or bicache (exact whole-block "
                          "reuse)")
+    base = EngineConfig()
+    for name in ("max_total_tokens", "mem_fraction_static", "bicache_audit_rate", "bicache_audit_min_agreement",
+                 "bicache_audit_probation", "calibration_budget_s"):
+        if getattr(cfg, name) != getattr(base, name):
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: its engine has no bicache pool, "
+                             "profile or audit (exact block reuse); --max-running-requests and "
+                             "--max-prefix-cache-tokens size it")
     d, dd = cfg.decode, DecodeDefaults()
     for name in ("cache_mode", "refresh_interval", "step_rows", "dllm_algorithm", "dllm_eps", "dllm_alg_temp"):
         if getattr(d, name) != getattr(dd, name):
@@ -130,7 +137,15 @@ class BlockEngineClient:
         self.default_threshold = d.threshold if d.threshold != dd.threshold else None
         self.default_steps = d.steps_per_block
         self.tokenizer = load_tokenizer(config.tokenizer_path or self.model_path, config.chat_template)
-        self.eos_ids = tuple(cfg.eos_token_ids)
+        # config.json's EOS ids, the family's end-of-turn tokens in this vocabulary and the
+        # tokenizer's EOS (as the bidirectional engine's loader does): the server's end ids
+        from ..models.families import family_named
+        vocab = self.tokenizer.get_vocab()
+        eos = set(cfg.eos_token_ids)
+        eos.update(int(vocab[t]) for t in family_named(cfg.family).end_of_turn if t in vocab)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = tuple(sorted(eos))
         self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         B = cfg.decode.block_length
         cache_blocks = (config.max_prefix_cache_tokens or DEFAULT_CACHE_TOKENS) // B
@@ -259,7 +274,9 @@ class BlockEngineClient:
         threshold = p.threshold if p.threshold is not None else self.default_threshold
         return BlockParams(max_new_tokens=p.max_new_tokens, steps=steps, threshold=threshold,
                            temperature=float(temperature), top_k=p.top_k if p.top_k > 0 else None,
-                           top_p=p.top_p, seed=p.seed, stop_ids=end_ids)
+                           top_p=p.top_p, seed=p.seed, stop_ids=end_ids,
+                           edit_threshold=self.model_config.decode.edit_threshold,
+                           max_post_edit_steps=self.model_config.decode.max_post_edit_steps)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:

@@ -47,6 +47,9 @@ class BlockParams:
     top_p: float | None = None
     seed: int | None = None
     stop_ids: tuple[int, ...] | None = None  # ids that end the answer (None: the model's EOS ids)
+    # LLaDA2.1's token editing (SGLang's JointThreshold): None = off (LLaDA2.0's mask-to-token rule)
+    edit_threshold: float | None = None
+    max_post_edit_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -57,6 +60,10 @@ class BlockParams:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.minimal_topk < 1:
             raise ValueError(f"minimal_topk must be >= 1, got {self.minimal_topk}")
+        if self.edit_threshold is not None and not 0.0 <= self.edit_threshold <= 1.0:
+            raise ValueError(f"edit_threshold must be in [0, 1], got {self.edit_threshold}")
+        if self.max_post_edit_steps < 0:
+            raise ValueError(f"max_post_edit_steps must be >= 0, got {self.max_post_edit_steps}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -98,6 +105,7 @@ class _Req:
     kv: BlockKV
     block: int  # current block
     step: int = 0
+    post_steps: int = 0  # token editing: steps of the current block after its last mask went
     reused: int = 0  # prompt tokens whose K/V came from the prefix cache
     forwards: int = 0
     computed_rows: int = 0
@@ -195,11 +203,15 @@ class BlockEngine:
         masked = blk == self.cfg.mask_token_id
         p = r.params
         tok, conf = sample_tokens(logits, p.temperature, p.top_k, p.top_p, r.generator)
-        sel = select_transfer(conf.cpu(), masked, r.schedule[r.step], r.threshold)
-        blk[sel] = tok.cpu()[sel]
-        r.step += 1
-        if bool((blk == self.cfg.mask_token_id).any()) and r.step < len(r.schedule):
-            return False
+        if p.edit_threshold is not None:
+            if not self._edit_step(r, blk, masked, tok.cpu(), conf.cpu()):
+                return False
+        else:
+            sel = select_transfer(conf.cpu(), masked, r.schedule[r.step], r.threshold)
+            blk[sel] = tok.cpu()[sel]
+            r.step += 1
+            if bool((blk == self.cfg.mask_token_id).any()) and r.step < len(r.schedule):
+                return False
         # the block is done (no mask left, or its steps ran out as in the published loop)
         P = len(r.prompt)
         r.finished_blocks.append(r.x[max(a, P):b].tolist())
@@ -211,7 +223,38 @@ class BlockEngine:
             return True
         r.block += 1
         r.step = 0
+        r.post_steps = 0
         return False
+
+    def _edit_step(self, r: _Req, blk: torch.Tensor, masked: torch.Tensor, tok: torch.Tensor,
+                   conf: torch.Tensor) -> bool:
+        """One step of LLaDA2.1's joint rule (SGLang's JointThreshold) on the current block; True
+        when the block is done. Mask-to-token: the masked positions above ``threshold``, else the
+        most confident one. Token-to-token: decoded (non-prompt) positions whose prediction differs
+        from their token with confidence above ``edit_threshold`` are rewritten. Once no mask is
+        left, at most ``max_post_edit_steps`` more steps; the block ends when a step changes
+        nothing, or after block_length + max_post_edit_steps steps."""
+        p = r.params
+        a = r.block * self.B
+        prompt = torch.arange(a, a + self.B) < len(r.prompt)
+        if bool(masked.any()):
+            conf_m = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
+            m2t = conf_m > r.threshold
+            if not bool(m2t.any()):
+                m2t = torch.zeros_like(masked)
+                m2t[conf_m.argmax()] = True
+        else:
+            r.post_steps += 1
+            if r.post_steps > p.max_post_edit_steps:
+                return True
+            m2t = torch.zeros_like(masked)
+        t2t = (conf > p.edit_threshold) & (blk != tok) & ~masked & ~prompt
+        change = m2t | t2t
+        if not bool(change.any()):
+            return True
+        blk[change] = tok[change]
+        r.step += 1
+        return r.step >= self.B + p.max_post_edit_steps
 
     def _finish(self, r: _Req) -> BlockResult:
         P = len(r.prompt)

@@ -41,12 +41,20 @@ class BlockDecodeDefaults:
     threshold: float
     minimal_topk: int = 1
     cap_steps_by_gen_length: bool = True  # LLaDA2: steps = min(steps, gen_length // minimal_topk); SDAR: no cap
+    # LLaDA2.1's token editing (None: off); set from generation_config.json (edit_threshold /
+    # editing_threshold, max_post_edit_steps / max_post_steps)
+    edit_threshold: float | None = None
+    max_post_edit_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps < 1 or self.minimal_topk < 1:
             raise ValueError(f"block_length, steps and minimal_topk must be >= 1, got {self}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.edit_threshold is not None and not 0.0 <= self.edit_threshold <= 1.0:
+            raise ValueError(f"edit_threshold must be in [0, 1], got {self.edit_threshold}")
+        if self.max_post_edit_steps < 0:
+            raise ValueError(f"max_post_edit_steps must be >= 0, got {self.max_post_edit_steps}")
 
 
 # LLaDA2 (published modeling file's generate(): block_length 32, steps 32, threshold 0.95,

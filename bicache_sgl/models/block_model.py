@@ -275,7 +275,8 @@ def with_block_length(cfg: BlockModelConfig, block_length: int) -> BlockModelCon
 
 
 def _with_generation_defaults(cfg: BlockModelConfig, path: Path) -> BlockModelConfig:
-    """The decode defaults with any ``block_length`` / ``steps`` / ``threshold`` that the
+    """The decode defaults with any ``block_length`` / ``steps`` / ``threshold`` (and LLaDA2.1's
+    ``edit_threshold`` / ``editing_threshold``, ``max_post_edit_steps`` / ``max_post_steps``) that the
     checkpoint's generation_config.json sets (a bad value is a CheckpointError naming it)."""
     import dataclasses
     if not path.exists():
@@ -287,6 +288,11 @@ def _with_generation_defaults(cfg: BlockModelConfig, path: Path) -> BlockModelCo
     if not isinstance(gen, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     changes = {k: gen[k] for k in ("block_length", "steps", "threshold") if gen.get(k) is not None}
+    for ours, names in (("edit_threshold", ("edit_threshold", "editing_threshold")),
+                        ("max_post_edit_steps", ("max_post_edit_steps", "max_post_steps"))):
+        for n in names:
+            if gen.get(n) is not None:
+                changes[ours] = gen[n]
     if not changes:
         return cfg
     try:

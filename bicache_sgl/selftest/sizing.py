@@ -108,8 +108,8 @@ def memory_rows(bundled_path: str, device: torch.device) -> list[Row]:
     policy = make_policy(ec.prefix_cache, cfg.n_layers, find_profile(bundled_path, None, cfg.n_layers))
     depth = policy.max_node_depth
     big = parse_model_config(LLADA_8B_CONFIG, "LLaDA-8B shape")
-    moe = parse_model_config(LLADA_MOE_7B_CONFIG, "LLaDA-MoE-7B-A1B shape")
     from .block_sizing import block_memory_rows
+    moe = parse_model_config(LLADA_MOE_7B_CONFIG, "LLaDA-MoE-7B-A1B shape")
     return [memory_row("bundled model", cfg, device, depth, f"{ec.prefix_cache} nodes hold <= {depth} layers"),
             memory_row("LLaDA-8B shape (no weights)", big, device, big.n_layers, f"full depth {big.n_layers}"),
             memory_row("LLaDA-MoE-7B-A1B shape (no weights)", moe, device, moe.n_layers,

@@ -96,3 +96,46 @@ def sdar_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, s
         if t in stop_ids:
             break
     return out
+
+
+def llada21_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, eos_id: int, gen_length: int,
+                     block_length: int = 32, threshold: float = 0.5, edit_threshold: float = 0.0,
+                     max_post_edit_steps: int = 16) -> tuple[list[int], int]:
+    """LLaDA2.1's joint decoding (SGLang's JointThreshold: mask-to-token above ``threshold`` or the
+    single best, token-to-token edits above ``edit_threshold``, up to ``max_post_edit_steps``
+    steps after the block's last mask) over LLaDA2's window (blocks from position 0), greedy.
+    Returns (the answer up to and including the first eos, the number of edits made)."""
+    P = len(prompt)
+    n_blocks = -(-(P + gen_length) // block_length)
+    x = list(prompt) + [mask_id] * (n_blocks * block_length - P)
+    edits = 0
+    for blk in range(P // block_length, n_blocks):
+        a, end = blk * block_length, (blk + 1) * block_length
+        post = 0
+        for _ in range(block_length + max_post_edit_steps):
+            tok, p = _greedy(logits_fn(x[:end])[a:end])
+            masked = [i for i in range(a, end) if x[i] == mask_id]
+            change = []
+            if masked:
+                high = [i for i in masked if float(p[i - a]) > threshold]
+                change = high or [max(masked, key=lambda i: float(p[i - a]))]
+            else:
+                post += 1
+                if post > max_post_edit_steps:
+                    break
+            for i in range(max(a, P), end):
+                if x[i] != mask_id and int(tok[i - a]) != x[i] and float(p[i - a]) > edit_threshold:
+                    change.append(i)
+                    edits += 1
+            if not change:
+                break
+            for i in change:
+                x[i] = int(tok[i - a])
+        if eos_id in x[P:end]:
+            break
+    out = []
+    for t in x[P:P + gen_length]:
+        out.append(t)
+        if t == eos_id:
+            break
+    return out, edits
