@@ -7,9 +7,12 @@ build worker that no other constraint could use meanwhile. This module finds tho
 
 How: a Glushkov automaton (one position per character atom, counted repeats unrolled) over the
 character classes the pattern distinguishes, determinized by subset construction with a budget
-(:data:`EXACT_BUDGET` states, some 0.1 s of Python at most). A pattern whose DFA fits the budget
+(:data:`EXACT_BUDGET` states; the whole estimate, probes included, stops after
+:data:`WORK_BUDGET` steps or :data:`MAX_POSITIONS` positions: under a second of Python on a
+loaded machine, usually milliseconds, and "unknown" past that). A pattern whose DFA fits the budget
 is measured exactly (up to the byte-level details of the real builder). One that does not is
-probed for exponential growth: each counted repeat ``{n}`` with ``n`` over :data:`PROBE_FROM` is
+probed for exponential growth: each counted repeat ``{n}`` with ``n`` over :data:`PROBE_FROM` (the
+first eight) is
 cut to ``k`` = 6..9 (the others to at most 9), and when the state count multiplies by at least
 :data:`EXPONENTIAL_RATIO` per step, the count at the real ``n`` is extrapolated from it. What
 neither finds (a large DFA without a counted repeat behind it) is left to the build's own limits.
@@ -40,7 +43,7 @@ class _OverBudget(Exception):
     """The count would cost more than WORK_BUDGET steps: the estimate gives up (unknown)."""
 
 EXACT_BUDGET = 4096  # DFA states counted exactly before switching to the growth probe
-WORK_BUDGET = 2_000_000  # follow edges and subset steps one count may take (bounds its time: ~1 s)
+WORK_BUDGET = 1_000_000  # follow edges and subset steps of one whole estimate, probes included (<~1 s)
 MAX_POSITIONS = 20_000  # character atoms after unrolling; more: unknown (the bitsets get too wide)
 PROBE_FROM = 9  # counted repeats above this are probed at 6, 7, 8, 9
 EXPONENTIAL_RATIO = 1.5  # states x this (or more) per extra repetition: exponential growth
@@ -97,12 +100,12 @@ def _charset(op: str, av, dotall: bool) -> list[tuple[int, int]]:
 class _Glushkov:
     """Positions (one per character atom), their character sets and follow sets."""
 
-    def __init__(self, dotall: bool, clip: dict[int, int]) -> None:
+    def __init__(self, dotall: bool, clip: dict[int, int], work: int) -> None:
         self.dotall = dotall
         self.clip = clip  # id of a counted repeat's node -> the count to use instead of its own
         self.sets: list[list[tuple[int, int]]] = []
         self.follow: list[set[int]] = []
-        self.work = 0
+        self.work = work  # steps already spent by this estimate
 
     def _link(self, last: set[int], first: set[int]) -> None:
         self.work += len(last) * len(first)
@@ -167,9 +170,11 @@ class _Glushkov:
         return True, set(), set()  # AT and the like: no character
 
 
-def _count(items, dotall: bool, clip: dict[int, int], budget: int) -> int:
-    """DFA states (the start state included) by subset construction; budget + 1 when over."""
-    g = _Glushkov(dotall, clip)
+def _count(items, dotall: bool, clip: dict[int, int], budget: int, spent: list[int]) -> int:
+    """DFA states (the start state included) by subset construction; budget + 1 when over.
+    ``spent[0]``: the estimate's steps so far (shared by its counts; raises _OverBudget past
+    WORK_BUDGET)."""
+    g = _Glushkov(dotall, clip, spent[0])
     _, first, _ = g.seq(items)
     # the character classes: the intervals between every boundary of every position's set
     cuts = {0, _MAX_CP + 1}
@@ -198,12 +203,12 @@ def _count(items, dotall: bool, clip: dict[int, int], budget: int) -> int:
         nxt: dict[int, int] = {}
         s = state
         while s:
-            work += 1
-            if work > WORK_BUDGET:
-                raise _OverBudget
             low = s & -s
             p = low.bit_length() - 1
             s ^= low
+            work += 1 + len(classes_of[p])
+            if work > WORK_BUDGET:
+                raise _OverBudget
             fm = follow_mask[p]
             for c in classes_of[p]:
                 nxt[c] = nxt.get(c, 0) | fm
@@ -211,8 +216,10 @@ def _count(items, dotall: bool, clip: dict[int, int], budget: int) -> int:
             if target and target not in seen:
                 seen.add(target)
                 if len(seen) > budget:
+                    spent[0] = work
                     return budget + 1
                 todo.append(target)
+    spent[0] = work
     return len(seen)
 
 
@@ -245,8 +252,9 @@ def dfa_states_of(items: list, dotall: bool) -> tuple[int, bool]:
     when it fits :data:`EXACT_BUDGET` (exact), else an exponential extrapolation from the probes
     (not exact), else ``(EXACT_BUDGET + 1, False)``: more than the budget, or more work than
     :data:`WORK_BUDGET` to tell, growth unknown."""
+    spent = [0]
     try:
-        n = _count(items, dotall, {}, EXACT_BUDGET)
+        n = _count(items, dotall, {}, EXACT_BUDGET, spent)
         if n <= EXACT_BUDGET:
             return n, True
     except _OverBudget:
@@ -262,7 +270,7 @@ def dfa_states_of(items: list, dotall: bool) -> tuple[int, bool]:
             counts = []
             for k in _PROBE_KS:
                 try:
-                    c = _count(items, dotall, {**others, id(target): k}, EXACT_BUDGET)
+                    c = _count(items, dotall, {**others, id(target): k}, EXACT_BUDGET, spent)
                 except _OverBudget:
                     break
                 if c > EXACT_BUDGET:

@@ -202,7 +202,10 @@ def prepare_regex(pattern: str, *, max_positions: int, max_states: int | None = 
         raise ConstraintError(f"regex too complex: counted repetitions expand to more than {max_positions} "
                               "positions")
     if max_states is not None:
-        states, exact = dfa_states_of(items, bool(flags & re.DOTALL))
+        try:
+            states, exact = dfa_states_of(items, bool(flags & re.DOTALL))
+        except Exception:  # an estimate must never turn a valid pattern into a server error: the build decides
+            states, exact = 0, True
         estimate = states if exact else states * BUILDER_STATES_PER_SUBSET
         if not exact and estimate > max_states:
             raise ConstraintError(f"regex too complex: its automaton would have about {estimate:.3g} states (limit "
