@@ -10,11 +10,13 @@ every mode. No model here: profiles, the policy, the planner and the audit are p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import bicache_sgl
 from bicache_sgl.bicache.audit import DepthAudit
 from bicache_sgl.bicache.planner import MatchFacts, RequestFacts, plan_reuse
 from bicache_sgl.bicache.policy import make_policy, request_mode
@@ -25,7 +27,7 @@ from bicache_sgl.models.loader import resolve_model_path
 
 EOS = (2,)
 SHIPPED = resolve_model_path(None) + "/" + PROFILE_FILENAME
-CONTEXT = resolve_model_path("bicache_sgl/assets/context_model") + "/" + PROFILE_FILENAME
+CONTEXT = str(Path(bicache_sgl.__file__).parent / "assets" / "context_model" / PROFILE_FILENAME)
 
 
 def sp(**kw) -> SamplingParams:
@@ -70,7 +72,7 @@ def test_bundled_profiles_table_by_mode_is_what_their_counts_give():
 
 
 def test_per_mode_tables_are_derived_from_counts_when_the_file_has_none(tmp_path):
-    d = json.loads(open(SHIPPED).read())
+    d = json.loads(Path(SHIPPED).read_text())
     d.pop("table_by_mode")
     p = tmp_path / "p.json"
     p.write_text(json.dumps(d))
