@@ -345,10 +345,12 @@ def calibrate(args: argparse.Namespace) -> dict:
     def rnd(row):
         return None if row is None else [round(float(x), 6) for x in row]
 
-    buckets_by_mode = ({m: [None if bk is None else {"r": fractions[b], **bk}
-                            for b, bk in enumerate(exact_bucket(v[b], args.tolerance, args.max_bound)
-                                                   for b in range(nb))]
-                        for m, v in flips_by_mode.items()} if exact else None)
+    def mode_bucket(flips_b: list, b: int) -> dict | None:
+        bk = exact_bucket(flips_b, args.tolerance, args.max_bound)
+        return None if bk is None else {"r": fractions[b], **bk}
+
+    buckets_by_mode = ({m: [mode_bucket(v[b], b) for b in range(nb)] for m, v in flips_by_mode.items()}
+                       if exact else None)
     if exact:
         # a table per generation mode (the runtime serves each request by its mode's) and, for
         # readers that know one table, ``table`` = no deeper than any mode's (BicacheProfile.rederived)
