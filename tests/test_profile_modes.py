@@ -82,7 +82,9 @@ def test_per_mode_tables_are_derived_from_counts_when_the_file_has_none(tmp_path
 def test_old_single_table_profile_loads_unchanged_and_serves_every_mode(tmp_path):
     p = tmp_path / "old.json"
     p.write_text(json.dumps({"model": "m", "n_layers": 8, "criterion": "agreement", "threshold": 0.9,
-                             "table": [[0, 0], [10, 8]]}))
+                             "table": [[0, 0], [10, 8]],
+                             # what the calibrate CLI writes for a non-exact criterion
+                             "tolerance": None, "max_bound": None, "buckets": None, "buckets_by_mode": None}))
     prof = BicacheProfile.load(p)
     assert prof.by_mode == () and prof.modes == ()
     pol = make_policy("bicache", 8, prof)

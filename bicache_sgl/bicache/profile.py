@@ -157,6 +157,11 @@ class BicacheProfile:
             raise ValueError(f"bicache profile{what}: depths must be non-decreasing in r")
 
     @property
+    def tolerance(self) -> float:
+        """The tolerated flip rate the file's tables were derived at (0 without one)."""
+        return float(self.extra.get("tolerance") or 0.0)
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """The generation modes with a table of their own (() for a single-table profile)."""
         return tuple(m for m, _ in self.by_mode)
@@ -217,7 +222,7 @@ class BicacheProfile:
         tolerance, whatever ``table_by_mode`` the file had, with ``table`` lowered where it is deeper
         than a mode's (old readers get the minimum). Deterministic: what
         ``python -m bicache_sgl.calibration.rederive FILE`` writes back (docs/calibration.md)."""
-        by_mode = self.tables_by_mode(float(self.extra.get("tolerance", 0.0)))
+        by_mode = self.tables_by_mode(self.tolerance)
         if not by_mode:
             return self
         table = self.min_table([self.table, *(t for _, t in by_mode)])
@@ -237,7 +242,7 @@ class BicacheProfile:
             if r is None:
                 raise ValueError(f"bicache profile: bucket {i} has no r (and no 'fractions' entry)")
             d = bucket_depth(list(bk["disagreements_by_depth"]), int(bk["n"]), tolerance,
-                             float(self.extra.get("max_bound", MAX_BOUND)))
+                             float(MAX_BOUND if self.extra.get("max_bound") is None else self.extra["max_bound"]))
             if d is None:
                 continue
             entries = [(rr, b) for rr, b in entries if rr != float(r)] + [(float(r), d)]
@@ -254,7 +259,7 @@ class BicacheProfile:
     def with_mode_tables(self) -> BicacheProfile:
         """This profile with its per-mode tables derived from its counts at its own tolerance (what
         ``python -m bicache_sgl.calibrate`` writes as ``table_by_mode``); unchanged without counts."""
-        by_mode = self.tables_by_mode(float(self.extra.get("tolerance", 0.0)))
+        by_mode = self.tables_by_mode(self.tolerance)
         if not by_mode:
             return self
         return BicacheProfile(table=self.table, n_layers=self.n_layers, model=self.model, criterion=self.criterion,
@@ -268,7 +273,7 @@ class BicacheProfile:
         buckets = self.extra.get("buckets")
         if self.criterion != CRITERION_EXACT or not buckets:
             return self
-        if float(self.extra.get("tolerance", 0.0)) == float(tolerance):
+        if self.tolerance == float(tolerance):
             return self
         by_mode = self.tables_by_mode(tolerance)
         table = self._derive(list(buckets), tolerance)
@@ -277,7 +282,7 @@ class BicacheProfile:
         log.info("bicache profile %s at tolerance %g: r%% -> depth %s%s (the file's, at tolerance %g: %s)",
                  self.model, tolerance, [list(e) for e in table],
                  "".join(f"; {m}: {[list(e) for e in t]}" for m, t in by_mode),
-                 float(self.extra.get("tolerance", 0.0)), [list(e) for e in self.table])
+                 self.tolerance, [list(e) for e in self.table])
         return BicacheProfile(table=table, n_layers=self.n_layers, model=self.model, criterion=self.criterion,
                               threshold=tolerance, extra={**self.extra, "tolerance": tolerance}, by_mode=by_mode)
 
