@@ -345,6 +345,21 @@ def calibrate(args: argparse.Namespace) -> dict:
     def rnd(row):
         return None if row is None else [round(float(x), 6) for x in row]
 
+    def mode_bucket(flips_b: list, b: int) -> dict | None:
+        bk = exact_bucket(flips_b, args.tolerance, args.max_bound)
+        return None if bk is None else {"r": fractions[b], **bk}
+
+    buckets_by_mode = ({m: [mode_bucket(v[b], b) for b in range(nb)] for m, v in flips_by_mode.items()}
+                       if exact else None)
+    if exact:
+        # a table per generation mode (the runtime serves each request by its mode's) and, for
+        # readers that know one table, ``table`` = no deeper than any mode's (BicacheProfile.rederived)
+        prof = BicacheProfile(table=prof.table, n_layers=L, model=prof.model, criterion=prof.criterion, threshold=thr,
+                              extra={"buckets_by_mode": buckets_by_mode, "fractions": fractions,
+                                     "tolerance": args.tolerance, "max_bound": args.max_bound}).rederived()
+        prof = BicacheProfile(table=prof.table, n_layers=L, model=prof.model, criterion=prof.criterion, threshold=thr,
+                              by_mode=prof.by_mode)
+
     return {
         **prof.to_dict(),
         "kv_threshold": args.threshold,
@@ -357,8 +372,7 @@ def calibrate(args: argparse.Namespace) -> dict:
         # and the same count at every depth 0..measured_depth (what --bicache-tolerance re-derives from)
         "buckets": ([None if bk is None else {"r": fractions[i], **bk} for i, bk in enumerate(buckets)]
                     if exact else None),
-        "buckets_by_mode": ({m: [exact_bucket(v[b], args.tolerance, args.max_bound) for b in range(nb)]
-                             for m, v in flips_by_mode.items()} if exact else None),
+        "buckets_by_mode": buckets_by_mode,
         "gen_modes": list(args.gen_modes) if exact else None,
         "depth_rule": args.depth_rule if args.criterion == "kv-cosine" else None,
         "fractions": fractions,
@@ -457,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{result['num_samples']} samples, {result['seconds']:.1f} s\n")
     print(format_summary(result))
     print(f"\ntable (r % -> b): {result['table']}")
+    for mode, t in (result.get("table_by_mode") or {}).items():
+        print(f"table for {mode} requests (r % -> b): {t}")
     print(f"wrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
     return 0
 

@@ -185,7 +185,9 @@ def run_mode(label, model_path, reqs, prefixes, args, profile_path):
         outs = eng.generate(input_ids=[r["input_ids"] for r in reqs], sampling_params=sp)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         st = eng.get_stats()
-        profile = eng.profile.table if eng.profile is not None else None
+        # the table each generation mode reads (one table for every mode without per-mode data)
+        profile = None if eng.profile is None else (
+            {m: [list(e) for e in t] for m, t in eng.profile.by_mode} or [list(e) for e in eng.profile.table])
     finally:
         eng.shutdown()
     skipped = st["skipped_layer_tokens"] - base["skipped_layer_tokens"]
@@ -282,7 +284,7 @@ def main(argv=None):
     elif uses_bicache:
         b = next(r for r in results if split_mode(r["mode"])[0] == "bicache")
         print(f"bicache profile: {args.profile or Path(model_path) / 'bicache_profile.json'}: "
-              f"{[list(e) for e in b['profile']] if b['profile'] else None}")
+              f"{b['profile']}")
     print()
     print("| mode | requests/s | output tokens/s | speedup vs off | CPU s | saved compute | layer-tokens vs off "
           "| cache hit rate | mean depth | mean r (hits) | layers held / cached token | cache MiB | forwards "

@@ -7,7 +7,8 @@ with ``ignore_eos``, sent in batches of 4 so later requests reuse earlier captur
 runs on a fresh engine; cache off runs once. Reported per row: answers equal to cache off (and the
 95% upper bound on the rate of changed answers), those that stop at EOS / run past it, prefix
 matched, reused at depth > 0, mean depth, and requests/s relative to cache off (same requests,
-same batches, best of --repeat).
+same batches, best of --repeat). A profile with a table per generation mode is shown per mode;
+"of them stop at EOS": reused requests among those that stop at EOS.
 
     python examples/bench_profile_safety.py                      # shipped profile at 0, 0.02, 0.05
     python examples/bench_profile_safety.py --model-path bicache_sgl/assets/context_model --kind group
@@ -38,6 +39,19 @@ def run(eng: Engine, reqs: list[tuple[str, dict]], batch: int) -> list:
     return events
 
 
+def describe(profile, ekw: dict) -> str:
+    """The table column: the profile's table, or per generation mode where it has one each."""
+    if ekw.get("prefix_cache") == "naive":
+        return "every layer"
+    if profile is None:
+        return "-"
+    def one(t):
+        return ", ".join(f"{r:g}:{b}" for r, b in t if r > 0)
+    if not profile.by_mode:
+        return one(profile.table)
+    return "; ".join(f"{m}: {one(t)}" for m, t in profile.by_mode)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="default: the bundled default model")
@@ -65,7 +79,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 events = run(eng, reqs, args.batch)
                 best = min(best, time.perf_counter() - t0)
-                table = eng.profile.table if eng.profile is not None else None
+                table = eng.profile
             finally:
                 eng.shutdown()
         return events, best, table
@@ -79,8 +93,8 @@ def main() -> None:
     print(f"{len(reqs)} requests ({sum(1 for _, sp in reqs if sp.get('ignore_eos'))} with ignore_eos), "
           f"batches of {args.batch}, {args.threads} thread(s); cache off: {len(reqs) / t_off:.1f} req/s\n")
     print("| profile | table (r% -> depth) | equal to off | 95% bound on changed | stop at EOS differ | past EOS "
-          "differ | prefix matched | reused (depth > 0) | mean depth | req/s | vs off |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "differ | prefix matched | reused (depth > 0) | of them stop at EOS | mean depth | req/s | vs off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, ekw in rows:
         ev, t, table = measure(**ekw)
         n = len(reqs)
@@ -88,11 +102,12 @@ def main() -> None:
         long_d = sum(1 for i in diff if reqs[i][1].get("ignore_eos"))
         matched = sum(e.meta_info["cached_tokens"] > 0 for e in ev)
         reused = sum(e.meta_info["bicache_depth"] > 0 for e in ev)
+        n_stop = sum(1 for _, sp in reqs if not sp.get("ignore_eos"))
+        reused_stop = sum(e.meta_info["bicache_depth"] > 0 for e, (_, sp) in zip(ev, reqs) if not sp.get("ignore_eos"))
         depth = sum(e.meta_info["bicache_depth"] for e in ev) / n
-        tab = "every layer" if ekw.get("prefix_cache") == "naive" else \
-            "-" if table is None else ", ".join(f"{r:g}:{b}" for r, b in table if r > 0)
-        print(f"| {label} | {tab} | {n - len(diff)}/{n} | {flip_bound(len(diff), n):.3f} | {len(diff) - long_d} | "
-              f"{long_d} | {matched}/{n} | {reused}/{n} | {depth:.2f} | {n / t:.1f} | {t_off / t:.2f}x |")
+        print(f"| {label} | {describe(table, ekw)} | {n - len(diff)}/{n} | {flip_bound(len(diff), n):.3f} | "
+              f"{len(diff) - long_d} | {long_d} | {matched}/{n} | {reused}/{n} | {reused_stop}/{n_stop} | "
+              f"{depth:.2f} | {n / t:.1f} | {t_off / t:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -769,7 +769,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     profile_path, profile_note = ensure_profile(args, model_path, mc.n_layers, out_dir)
     profile_table = None
     if profile_path:
-        profile_table = json.loads(Path(profile_path).read_text()).get("table")
+        prof_json = json.loads(Path(profile_path).read_text())
+        # per generation mode where the profile has a table each (the runtime serves each request by its mode's)
+        profile_table = prof_json.get("table_by_mode") or prof_json.get("table")
     digest0 = file_digest(model_path)
     base_flags = {"model_path": model_path, "num_threads": args.num_threads, "block_length": args.block_length,
                   "max_running_requests": max(args.conc_list), "random_seed": 0, **parse_server_args(args.server_args)}

@@ -21,6 +21,10 @@ criterion (calibrated so that answers equal cache off's, within its tolerance) i
 promise here too: a disagreement is a top-1 agreement below ``1 - tolerance`` (any changed position
 at tolerance 0), whatever the configured ``min_agreement`` allows for other criteria. Each lowering
 is logged (a WARNING naming the profile, the bucket, the depths) and kept in ``history``.
+
+A profile with a table per generation mode (bicache/profile.py: "stop", "ignore_eos") is audited
+per (mode, bucket): a disagreement of an ignore_eos request lowers the ignore_eos table, not the
+stop table, and the reverse. A single-table profile has one set of buckets for every mode.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .profile import CRITERION_EXACT, BicacheProfile
+from .profile import CRITERION_EXACT, MODE_IGNORE_EOS, BicacheProfile
 
 log = logging.getLogger(__name__)
 
@@ -83,49 +87,67 @@ class DepthAudit:
             min_agreement = max(min_agreement, 1.0 - float(profile.threshold))
         self.rate, self.min_agreement, self.probation = rate, min_agreement, probation
         self.source = f"{profile.model or 'unnamed'} ({profile.criterion})"
-        self._buckets = [_Bucket(r / 100.0, b, b) for r, b in profile.table]
+        # per generation mode with a table of its own ("" for a single-table profile: every mode)
+        tables = profile.by_mode or (("", profile.table),)
+        self._by_mode = {m: [_Bucket(r / 100.0, b, b) for r, b in t] for m, t in tables}
+        self._buckets = [b for bs in self._by_mode.values() for b in bs]  # all of them (stats)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.disagreements = 0  # each one lowers its bucket (and the buckets below it)
         self.history: list[dict] = []  # depth changes, oldest first (at most MAX_HISTORY)
         self.changes = 0
 
-    def _index(self, r: float) -> int:
+    def _mode_buckets(self, mode: str) -> list[_Bucket]:
+        if "" in self._by_mode:
+            return self._by_mode[""]
+        if mode not in self._by_mode:  # a mode the profile did not measure: depth 0 anyway
+            self._by_mode[mode] = [_Bucket(0.0, 0, 0)]
+            self._buckets.append(self._by_mode[mode][0])
+        return self._by_mode[mode]
+
+    def _bucket(self, r: float, mode: str) -> tuple[list[_Bucket], int]:
+        """(the mode's buckets, the index of the one holding ``r``)."""
+        bs = self._mode_buckets(mode)
         i = 0
-        for j, b in enumerate(self._buckets):
+        for j, b in enumerate(bs):
             if r + 1e-12 >= b.r_lo:
                 i = j
-        return i
+        return bs, i
 
     @property
     def lowered(self) -> int:
         """Times the audit lowered a bucket: once per disagreement."""
         return self.disagreements
 
-    def should_audit(self, r: float) -> bool:
-        """Whether a request reusing state bounded by shared fraction ``r`` is audited: always while
-        its bucket is on probation, else with probability ``rate``."""
+    def should_audit(self, r: float, mode: str = MODE_IGNORE_EOS) -> bool:
+        """Whether a request of generation ``mode`` reusing state bounded by shared fraction ``r``
+        is audited: always while its bucket is on probation, else with probability ``rate``."""
         with self._lock:
-            if self._buckets[self._index(r)].streak < self.probation:
+            bs, i = self._bucket(r, mode)
+            if bs[i].streak < self.probation:
                 return True
             return self.rate > 0 and self._rng.random() < self.rate
 
-    def trusted(self, r: float) -> bool:
+    def trusted(self, r: float, mode: str = MODE_IGNORE_EOS) -> bool:
         with self._lock:
-            return self._buckets[self._index(r)].streak >= self.probation
+            bs, i = self._bucket(r, mode)
+            return bs[i].streak >= self.probation
 
-    def cap(self, r: float) -> int | None:
-        """The audit's cap on the depth at prefix fraction ``r`` (None: never lowered)."""
+    def cap(self, r: float, mode: str = MODE_IGNORE_EOS) -> int | None:
+        """The audit's cap on the depth at prefix fraction ``r`` for generation ``mode`` (None:
+        never lowered)."""
         with self._lock:
-            return self._buckets[self._index(r)].cap
+            bs, i = self._bucket(r, mode)
+            return bs[i].cap
 
-    def record(self, r: float, depth: int, reused: torch.Tensor, exact: torch.Tensor) -> None:
+    def record(self, r: float, depth: int, reused: torch.Tensor, exact: torch.Tensor,
+               mode: str = MODE_IGNORE_EOS) -> None:
         """One audited request's first forward: reused at ``depth`` vs no reuse (the request itself
-        was answered from the exact forward)."""
+        was answered from the exact forward); ``mode``: its generation mode (whose table it tests)."""
         agree, kl = compare(reused, exact)
         with self._lock:
-            i = self._index(r)
-            b = self._buckets[i]
+            bs, i = self._bucket(r, mode)
+            b = bs[i]
             b.samples += 1
             b.agree_sum += agree
             b.kl_sum += kl
@@ -137,20 +159,25 @@ class DepthAudit:
             self.disagreements += 1
             b.disagreements += 1
             new = max((d for d in b.agreed if d < depth), default=depth // 2)
-            for lower in self._buckets[:i + 1]:
+            for lower in bs[:i + 1]:
                 if lower.depth > new:
                     old = lower.depth
                     lower.depth, lower.streak = new, 0
-                    self._changed(lower, old, new, r, agree, kl)
+                    self._changed(lower, old, new, r, agree, kl, mode if "" not in self._by_mode else "")
 
-    def _changed(self, b: _Bucket, old: int, new: int, r: float, agree: float, kl: float) -> None:
+    def _changed(self, b: _Bucket, old: int, new: int, r: float, agree: float, kl: float, mode: str) -> None:
         log.warning("bicache audit: at r=%.2f the reused forward agreed with the exact one on %.0f%% of masked "
-                    "positions (KL %.3g) < %.0f%%: bucket r >= %.2f of the profile %s goes from depth %d to %d "
-                    "(on probation)", r, 100 * agree, kl, 100 * self.min_agreement, b.r_lo, self.source, old, new)
+                    "positions (KL %.3g) < %.0f%%: bucket r >= %.2f%s of the profile %s goes from depth %d to %d "
+                    "(on probation)", r, 100 * agree, kl, 100 * self.min_agreement, b.r_lo,
+                    f" ({mode} table)" if mode else "", self.source, old, new)
         self.changes += 1
         self.history.append({"r_from": b.r_lo, "from": old, "to": new, "at_r": round(r, 6),
-                             "top1_agreement": agree})
+                             "top1_agreement": agree, **({"mode": mode} if mode else {})})
         del self.history[:-MAX_HISTORY]
+
+    @staticmethod
+    def _key(mode: str, b: _Bucket) -> str:
+        return f"{mode + '_' if mode else ''}r{round(100 * b.r_lo)}"
 
     def stats(self) -> dict:
         with self._lock:
@@ -167,14 +194,18 @@ class DepthAudit:
                 "bicache_audit_kl": sum(b.kl_sum for b in self._buckets) / n if n else None,
                 "bicache_audit_trusted_buckets": sum(b.streak >= self.probation for b in self._buckets),
                 "bicache_audit_buckets": [
-                    {"r_from": b.r_lo, "depth": b.depth, "samples": b.samples, "cap": b.cap,
+                    {**({"mode": m} if m else {}), "r_from": b.r_lo, "depth": b.depth, "samples": b.samples,
+                     "cap": b.cap,
                      "streak": b.streak, "trusted": b.streak >= self.probation, "disagreements": b.disagreements,
                      "top1_agreement": b.agree_sum / b.samples if b.samples else None,
-                     "kl": b.kl_sum / b.samples if b.samples else None} for b in self._buckets],
+                     "kl": b.kl_sum / b.samples if b.samples else None}
+                    for m, bs in self._by_mode.items() for b in bs],
                 "bicache_audit_depth_changes": list(self.history),
                 "bicache_audit_depth_changes_total": self.changes,
-                # per bucket, keyed by its lowest r in percent (flat numbers for /metrics)
-                "bicache_audit_bucket_depth": {f"r{round(100 * b.r_lo)}": b.depth for b in self._buckets},
-                "bicache_audit_bucket_trusted": {f"r{round(100 * b.r_lo)}": int(b.streak >= self.probation)
-                                                 for b in self._buckets},
+                # per bucket, keyed by its lowest r in percent (flat numbers for /metrics); with a
+                # table per generation mode, by mode too ("stop_r70")
+                "bicache_audit_bucket_depth": {self._key(m, b): b.depth for m, bs in self._by_mode.items()
+                                               for b in bs},
+                "bicache_audit_bucket_trusted": {self._key(m, b): int(b.streak >= self.probation)
+                                                 for m, bs in self._by_mode.items() for b in bs},
             }

@@ -19,6 +19,12 @@ context, so each layer is checked on its own). It then reuses the one contiguous
 [start, end) of matched positions and depth d <= min(usable) over it that maximise the skipped work
 (end - start) x d: the reused positions need not start at 0, since recomputing a short head costs
 little. Everything here is numpy bookkeeping, tested without a model.
+
+The request's generation mode (``RequestFacts.mode``, bicache/policy.py ``request_mode``) picks the
+table b(.) is read from: a request that stops at EOS reads the "stop" table, one whose answer is
+forced past EOS the "ignore_eos" table. The capture's mode does not matter (a row is computed over
+the capturer's MASK region, whatever it later decodes); what is stored is sized for the deepest
+mode (``DepthPolicy.store_depth``), since the reader's mode is checked when it reuses.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from itertools import pairwise
 import numpy as np
 
 from .policy import DepthPolicy, FixedPolicy, OffPolicy
+from .profile import MODE_IGNORE_EOS
 
 
 def shared_fraction(lcp: int, capture_len: int, seq_len: int) -> float:
@@ -48,6 +55,7 @@ class RequestFacts:
     seq_len: int  # N: positions of the request's forward (prompt + generation region)
     forced_depth: int | None = None  # the request's own ``bicache_depth``
     exact: bool = False  # likelihood scoring / prefill-only: reuse nothing
+    mode: str = MODE_IGNORE_EOS  # generation mode (policy.request_mode): the profile table it reads
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class ReusePlan:
     # rows the first forward writes: (first position, end position, first layer, end layer)
     store: tuple[tuple[int, int, int, int], ...] = ()
     audit: bool = False
+    mode: str = MODE_IGNORE_EOS  # the request's generation mode (the audit's table)
 
     @property
     def reused(self) -> int:
@@ -128,18 +137,19 @@ def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPoli
     return engine_policy
 
 
-def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int) -> tuple[np.ndarray, dict[int, float]]:
+def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int,
+                  mode: str = MODE_IGNORE_EOS) -> tuple[np.ndarray, dict[int, float]]:
     """Per matched token, the leading layers that exist and pass the capture-context rule under
-    ``policy``; and the shared fraction of each capture context."""
-    bounds, per_run, r_of = usable_runs(policy, match, seq_len)
+    ``policy`` for a request of generation ``mode``; and the shared fraction of each capture context."""
+    bounds, per_run, r_of = usable_runs(policy, match, seq_len, mode)
     return np.repeat(per_run, np.diff(bounds)), r_of
 
 
-def usable_runs(policy: DepthPolicy, match: MatchFacts,
-                seq_len: int) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
+def usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int,
+                mode: str = MODE_IGNORE_EOS) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
     """:func:`usable_depths` per run: (bounds [runs + 1], usable depth per run [runs], the shared
     fraction of each capture context); run i is tokens [bounds[i], bounds[i + 1])."""
-    bounds, per_run, r_of = _usable_runs(policy, match, seq_len)
+    bounds, per_run, r_of = _usable_runs(policy, match, seq_len, mode)
     return np.asarray(bounds, dtype=np.int64), np.asarray(per_run, dtype=np.int64), r_of
 
 
@@ -148,8 +158,8 @@ def usable_runs(policy: DepthPolicy, match: MatchFacts,
 _SMALL_RUN_CELLS = 2048
 
 
-def _usable_runs(policy: DepthPolicy, match: MatchFacts,
-                 seq_len: int) -> tuple[list[int] | np.ndarray, list[int] | np.ndarray, dict[int, float]]:
+def _usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str = MODE_IGNORE_EOS
+                 ) -> tuple[list[int] | np.ndarray, list[int] | np.ndarray, dict[int, float]]:
     """:func:`usable_runs` as lists for a few runs, arrays otherwise (the planner's own path)."""
     m, L = match.length, match.ctx.shape[1]
     if m == 0:
@@ -159,7 +169,7 @@ def _usable_runs(policy: DepthPolicy, match: MatchFacts,
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
     starts, ctx_r, held_r = match.run_rows()
     if ctx_r.size <= _SMALL_RUN_CELLS:
-        lim_of = {c: policy.target_depth(r) for c, r in r_of.items()}  # no entry: no row (-1)
+        lim_of = {c: policy.target_depth(r, mode) for c, r in r_of.items()}  # no entry: no row (-1)
         per_run = []
         for crow, hrow in zip(ctx_r.tolist(), held_r.tolist()):
             d = 0  # leading layers whose row exists and whose context allows layer d
@@ -172,7 +182,7 @@ def _usable_runs(policy: DepthPolicy, match: MatchFacts,
     # the depth each row's context allows (0 where there is no row)
     lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
-        lim[ctx_r == c] = policy.target_depth(r)
+        lim[ctx_r == c] = policy.target_depth(r, mode)
     ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & held_r
     per_run = np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64)
     return np.concatenate([starts, [m]]).astype(np.int64), per_run, r_of
@@ -261,7 +271,7 @@ def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFa
     positions, computed from ``depth`` on, get deeper layers up to b(end / N) on top of what their
     node holds. Everything written is captured in this request's own context."""
     P, N = facts.prompt_len - 1, facts.seq_len
-    b = engine_policy.target_depth
+    b = engine_policy.store_depth  # rows for any later reader's mode (each is checked when it reuses)
     if not engine_policy.uses_cache or N <= 0:
         return ()
     k_full = b(P / N) if P > 0 else 0
@@ -287,7 +297,7 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     start = end = depth = 0
     r_bind = 0.0
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
-        bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len)
+        bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len, facts.mode)
         start, end, depth = best_span_runs(bounds, usable)
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
@@ -300,6 +310,6 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
     audit = False
     if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
-        audit = engine_policy.audit.should_audit(r_bind)
+        audit = engine_policy.audit.should_audit(r_bind, facts.mode)
     return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len,
-                     store_ranges(engine_policy, facts, match, start, end, depth), audit)
+                     store_ranges(engine_policy, facts, match, start, end, depth), audit, facts.mode)

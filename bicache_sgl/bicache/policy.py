@@ -9,16 +9,38 @@ sizes the pool).
 Modes: ``off`` (no reuse, no cache), ``naive`` (every layer: the baseline that breaks
 bidirectional models), ``fixed:N`` (N layers) and ``bicache`` (b(r) from a calibrated profile).
 Nothing outside this module branches on the mode.
+
+A request's generation mode (``request_mode``: "stop" or "ignore_eos") picks the profile's table:
+answers that are the model's own text up to its EOS were calibrated apart from answers forced past
+it, and are far less fragile under reuse (docs/calibration.md).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..config import parse_prefix_cache_mode
+from ..config import SamplingParams, parse_prefix_cache_mode
 from .audit import DepthAudit
-from .profile import BicacheProfile
+from .profile import GEN_MODES, MODE_IGNORE_EOS, MODE_STOP, BicacheProfile
+
+
+def request_mode(params: SamplingParams, eos_ids: Iterable[int], constrained: bool = False) -> str:
+    """The generation mode whose table serves a request: ``stop`` only when its answer region is
+    the model's own text up to where the model ends it; ``ignore_eos`` (conservatively) whenever
+    something can force text past that point, as the calibration's past-EOS samples are:
+    ``ignore_eos``; ``min_new_tokens`` > 0 (EOS banned on the first positions); a ``logit_bias`` on
+    an EOS id (either sign moves where the answer ends); a frequency/presence/repetition penalty
+    (it penalises EOS once the answer holds one); a regex / JSON-schema constraint (it bans EOS
+    until the pattern is complete). Stop strings and ``stop_token_ids`` only end an answer earlier:
+    ``stop``."""
+    eos = set(eos_ids)
+    forced = (params.ignore_eos or params.min_new_tokens > 0 or constrained
+              or any(t in eos for t, _ in params.logit_bias)
+              or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+              or params.repetition_penalty != 1.0 or params.regex is not None or params.json_schema is not None)
+    return MODE_IGNORE_EOS if forced else MODE_STOP
 
 
 class DepthPolicy(ABC):
@@ -39,8 +61,14 @@ class DepthPolicy(ABC):
         return True
 
     @abstractmethod
-    def target_depth(self, r: float) -> int:
-        """The depth this mode allows for a request whose reused prefix is fraction ``r``."""
+    def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
+        """The depth this policy allows for a request of generation ``mode`` (``request_mode``;
+        default the conservative one) whose reused prefix is fraction ``r``."""
+
+    def store_depth(self, r: float) -> int:
+        """The layers worth storing for a capture at fraction ``r``: the deepest any generation
+        mode may later reuse (storing a row never serves it; reuse checks the reader's own mode)."""
+        return max(self.target_depth(r, m) for m in GEN_MODES)
 
     def describe(self) -> str:
         return f"{self.name} (nodes hold up to {self.max_node_depth} of {self.n_layers} layers)"
@@ -61,7 +89,7 @@ class OffPolicy(DepthPolicy):
     def uses_cache(self) -> bool:
         return False
 
-    def target_depth(self, r: float) -> int:
+    def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
         return 0
 
 
@@ -81,7 +109,7 @@ class FixedPolicy(DepthPolicy):
     def max_node_depth(self) -> int:
         return min(self.depth, self.n_layers)
 
-    def target_depth(self, r: float) -> int:
+    def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
         return min(self.depth, self.n_layers)
 
     def describe(self) -> str:
@@ -101,11 +129,11 @@ class ProfilePolicy(DepthPolicy):
     def max_node_depth(self) -> int:
         return min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
 
-    def target_depth(self, r: float) -> int:
+    def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
         if self.profile is None:
             return 0
-        b = min(self.profile.lookup(r), self.n_layers)
-        cap = self.audit.cap(r) if self.audit is not None else None
+        b = min(self.profile.lookup(r, mode), self.n_layers)
+        cap = self.audit.cap(r, mode) if self.audit is not None else None
         return b if cap is None else min(b, cap)
 
 

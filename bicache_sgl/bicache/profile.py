@@ -38,6 +38,13 @@ CONFIDENCE = 0.95
 # 95% upper bound on the flip rate is ~3/n, so a depth above 0 needs n >= 59 samples in its bucket
 # (docs/calibration.md promises this bound, per bucket, for every exact profile).
 MAX_BOUND = 0.05
+# Generation modes (how a request's answer region ends), each calibrated as a sample of its own
+# (issue 34): "stop" = the answer is the model's own text up to its EOS; "ignore_eos" = the region
+# runs past EOS (or is otherwise forced past where the model would stop: bicache/policy.py,
+# ``request_mode``), where the text is out of distribution and far more fragile under reuse.
+MODE_STOP = "stop"
+MODE_IGNORE_EOS = "ignore_eos"
+GEN_MODES = (MODE_STOP, MODE_IGNORE_EOS)
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:
@@ -121,29 +128,69 @@ class BicacheProfile:
     criterion: str = "kv-cosine"
     threshold: float = 0.97
     extra: dict = field(default_factory=dict, compare=False)
+    # One table per generation mode (GEN_MODES), or () for a profile without per-mode data, whose
+    # ``table`` then serves every mode. With per-mode tables, ``table`` is what old readers see (the
+    # calibration's pooled table, never deeper than any mode's) and a mode that was not measured
+    # gets depth 0 (``table_for``).
+    by_mode: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        rs = [r for r, _ in self.table]
+        self._check(self.table, "")
+        for mode, table in self.by_mode:
+            if mode not in GEN_MODES:
+                raise ValueError(f"bicache profile: unknown generation mode {mode!r} (one of {', '.join(GEN_MODES)})")
+            self._check(table, f" ({mode})")
+        if len({m for m, _ in self.by_mode}) != len(self.by_mode):
+            raise ValueError("bicache profile: a generation mode has two tables")
+
+    def _check(self, table: tuple[tuple[float, int], ...], what: str) -> None:
+        rs = [r for r, _ in table]
         if rs != sorted(rs) or len(set(rs)) != len(rs):
-            raise ValueError("bicache profile: r values must be strictly increasing")
-        for r, b in self.table:
+            raise ValueError(f"bicache profile{what}: r values must be strictly increasing")
+        for r, b in table:
             if not 0 <= r <= 100:
-                raise ValueError(f"bicache profile: r={r} is outside [0, 100]")
+                raise ValueError(f"bicache profile{what}: r={r} is outside [0, 100]")
             if not 0 <= b <= self.n_layers:
-                raise ValueError(f"bicache profile: depth {b} at r={r} is outside [0, {self.n_layers}]")
-        bs = [b for _, b in self.table]
+                raise ValueError(f"bicache profile{what}: depth {b} at r={r} is outside [0, {self.n_layers}]")
+        bs = [b for _, b in table]
         if any(b2 < b1 for b1, b2 in itertools.pairwise(bs)):
-            raise ValueError("bicache profile: depths must be non-decreasing in r")
+            raise ValueError(f"bicache profile{what}: depths must be non-decreasing in r")
+
+    @property
+    def tolerance(self) -> float:
+        """The tolerated flip rate the file's tables were derived at (0 without one)."""
+        return float(self.extra.get("tolerance") or 0.0)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The generation modes with a table of their own (() for a single-table profile)."""
+        return tuple(m for m, _ in self.by_mode)
+
+    def table_for(self, mode: str) -> tuple[tuple[float, int], ...]:
+        """The table a request of generation ``mode`` is served by: its mode's, ``table`` for a
+        profile without per-mode tables, and no reuse ((0, 0)) for a mode the profile did not measure."""
+        if not self.by_mode:
+            return self.table
+        for m, table in self.by_mode:
+            if m == mode:
+                return table
+        return ((0.0, 0),)
 
     @property
     def max_depth(self) -> int:
-        return max((b for _, b in self.table), default=0)
+        return max((b for t in (self.table, *(t for _, t in self.by_mode)) for _, b in t), default=0)
 
-    def lookup(self, r: float) -> int:
-        """r in [0, 1] -> safe depth b(r)."""
+    def lookup(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
+        """r in [0, 1] -> safe depth b(r) for a request of generation ``mode`` (default: the
+        conservative one, ignore_eos)."""
+        return self.lookup_table(self.table_for(mode), r)
+
+    @staticmethod
+    def lookup_table(table: tuple[tuple[float, int], ...], r: float) -> int:
+        """The entry with the largest r at or below ``r`` (in [0, 1]); 0 below the first."""
         pct = 100.0 * r
         b = 0
-        for rp, bp in self.table:
+        for rp, bp in table:
             if rp <= pct + 1e-9:
                 b = bp
             else:
@@ -162,34 +209,89 @@ class BicacheProfile:
             out.append((float(r), low))
         return out[::-1]
 
+    @staticmethod
+    def min_table(tables: list[tuple[tuple[float, int], ...]]) -> tuple[tuple[float, int], ...]:
+        """The pointwise minimum of tables (each non-decreasing, so the minimum is too): at every r
+        no deeper than any of them. What a per-mode profile writes as ``table`` for readers that
+        know one table only."""
+        rs = sorted({float(r) for t in tables for r, _ in t} | {0.0})
+        return tuple((r, min(BicacheProfile.lookup_table(t, r / 100.0) for t in tables)) for r in rs)
+
+    def rederived(self) -> BicacheProfile:
+        """The per-mode tables re-derived from the counts (``buckets_by_mode``) at the profile's own
+        tolerance, whatever ``table_by_mode`` the file had, with ``table`` lowered where it is deeper
+        than a mode's (old readers get the minimum). Deterministic: what
+        ``python -m bicache_sgl.calibration.rederive FILE`` writes back (docs/calibration.md)."""
+        by_mode = self.tables_by_mode(self.tolerance)
+        if not by_mode:
+            return self
+        table = self.min_table([self.table, *(t for _, t in by_mode)])
+        return BicacheProfile(table=table, n_layers=self.n_layers, model=self.model, criterion=self.criterion,
+                              threshold=self.threshold, extra=self.extra, by_mode=by_mode)
+
+    def _derive(self, buckets: list, tolerance: float) -> tuple[tuple[float, int], ...]:
+        """A table from per-bucket counts (``r``, or the position in ``fractions``; ``n``;
+        ``disagreements_by_depth``) at ``tolerance``: the exact rule per bucket (``bucket_depth``),
+        then the monotone pass that errs safe."""
+        fractions = self.extra.get("fractions") or []
+        entries: list[tuple[float, int]] = [(0.0, 0)]
+        for i, bk in enumerate(buckets):
+            if not bk or not bk.get("n"):
+                continue
+            r = bk.get("r", fractions[i] if i < len(fractions) else None)
+            if r is None:
+                raise ValueError(f"bicache profile: bucket {i} has no r (and no 'fractions' entry)")
+            d = bucket_depth(list(bk["disagreements_by_depth"]), int(bk["n"]), tolerance,
+                             float(MAX_BOUND if self.extra.get("max_bound") is None else self.extra["max_bound"]))
+            if d is None:
+                continue
+            entries = [(rr, b) for rr, b in entries if rr != float(r)] + [(float(r), d)]
+        return tuple(self.monotone(sorted(entries)))
+
+    def tables_by_mode(self, tolerance: float) -> tuple[tuple[str, tuple[tuple[float, int], ...]], ...]:
+        """Per generation mode, the table the ``exact`` rule gives at ``tolerance`` from the
+        per-mode counts (``buckets_by_mode``); () without them (another criterion, an older file)."""
+        by_mode = self.extra.get("buckets_by_mode")
+        if self.criterion != CRITERION_EXACT or not isinstance(by_mode, dict):
+            return ()
+        return tuple((m, self._derive(list(by_mode[m]), tolerance)) for m in GEN_MODES if by_mode.get(m))
+
+    def with_mode_tables(self) -> BicacheProfile:
+        """This profile with its per-mode tables derived from its counts at its own tolerance (what
+        ``python -m bicache_sgl.calibrate`` writes as ``table_by_mode``); unchanged without counts."""
+        by_mode = self.tables_by_mode(self.tolerance)
+        if not by_mode:
+            return self
+        return BicacheProfile(table=self.table, n_layers=self.n_layers, model=self.model, criterion=self.criterion,
+                              threshold=self.threshold, extra=self.extra, by_mode=by_mode)
+
     def at_tolerance(self, tolerance: float) -> BicacheProfile:
-        """This profile's table re-derived for a tolerated flip rate, from the per-bucket counts an
-        ``exact`` profile carries (``buckets``: r, n, disagreements_by_depth). A profile without
-        them (another criterion, an older file) is returned unchanged: its table stands."""
+        """This profile's tables re-derived for a tolerated flip rate, from the per-bucket counts an
+        ``exact`` profile carries (``buckets``: r, n, disagreements_by_depth; per generation mode
+        ``buckets_by_mode``). A profile without them (another criterion, an older file) is returned
+        unchanged: its table stands."""
         buckets = self.extra.get("buckets")
         if self.criterion != CRITERION_EXACT or not buckets:
             return self
-        if float(self.extra.get("tolerance", 0.0)) == float(tolerance):
+        if self.tolerance == float(tolerance):
             return self
-        entries: list[tuple[float, int]] = [(0.0, 0)]
-        for bk in buckets:
-            if not bk.get("n"):
-                continue
-            d = bucket_depth(list(bk["disagreements_by_depth"]), int(bk["n"]), tolerance,
-                             float(self.extra.get("max_bound", MAX_BOUND)))
-            if d is None:
-                continue
-            entries = [(r, b) for r, b in entries if r != float(bk["r"])] + [(float(bk["r"]), d)]
-        table = tuple(self.monotone(sorted(entries)))
-        log.info("bicache profile %s at tolerance %g: r%% -> depth %s (the file's, at tolerance %g: %s)",
-                 self.model, tolerance, [list(e) for e in table], float(self.extra.get("tolerance", 0.0)),
-                 [list(e) for e in self.table])
+        by_mode = self.tables_by_mode(tolerance)
+        table = self._derive(list(buckets), tolerance)
+        if by_mode:  # old readers' table: no deeper than any mode's
+            table = self.min_table([table, *(t for _, t in by_mode)])
+        log.info("bicache profile %s at tolerance %g: r%% -> depth %s%s (the file's, at tolerance %g: %s)",
+                 self.model, tolerance, [list(e) for e in table],
+                 "".join(f"; {m}: {[list(e) for e in t]}" for m, t in by_mode),
+                 self.tolerance, [list(e) for e in self.table])
         return BicacheProfile(table=table, n_layers=self.n_layers, model=self.model, criterion=self.criterion,
-                              threshold=tolerance, extra={**self.extra, "tolerance": tolerance})
+                              threshold=tolerance, extra={**self.extra, "tolerance": tolerance}, by_mode=by_mode)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "n_layers": self.n_layers, "criterion": self.criterion,
-                "threshold": self.threshold, "table": [[r, b] for r, b in self.table], **self.extra}
+        d = {"model": self.model, "n_layers": self.n_layers, "criterion": self.criterion,
+             "threshold": self.threshold, "table": [[r, b] for r, b in self.table]}
+        if self.by_mode:
+            d["table_by_mode"] = {m: [[r, b] for r, b in t] for m, t in self.by_mode}
+        return {**d, **{k: v for k, v in self.extra.items() if k != "table_by_mode"}}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -199,10 +301,15 @@ class BicacheProfile:
         try:
             d = json.loads(Path(path).read_text())
             table = tuple((float(r), int(b)) for r, b in d["table"])
-            known = {"model", "n_layers", "criterion", "threshold", "table"}
-            return cls(table=table, n_layers=int(d["n_layers"]), model=str(d.get("model", "")),
+            known = {"model", "n_layers", "criterion", "threshold", "table", "table_by_mode"}
+            # per generation mode: the file's table_by_mode; else, for an exact profile that carries
+            # per-mode counts (buckets_by_mode), derived from them; else none (one table for all)
+            by_mode = tuple((str(m), tuple((float(r), int(b)) for r, b in t))
+                            for m, t in (d.get("table_by_mode") or {}).items())
+            prof = cls(table=table, n_layers=int(d["n_layers"]), model=str(d.get("model", "")),
                        criterion=str(d.get("criterion", "kv-cosine")), threshold=float(d.get("threshold", 0.97)),
-                       extra={k: v for k, v in d.items() if k not in known})
+                       extra={k: v for k, v in d.items() if k not in known}, by_mode=by_mode)
+            return prof if by_mode else prof.with_mode_tables()
         except FileNotFoundError:
             raise ValueError(f"bicache profile {path} does not exist") from None
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
@@ -226,3 +333,4 @@ def find_profile(model_path: str, explicit: str | None, n_layers: int) -> Bicach
     if prof.n_layers != n_layers:
         raise ValueError(f"bicache profile {path} is for {prof.n_layers} layers, the model has {n_layers}")
     return prof
+

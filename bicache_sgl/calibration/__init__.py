@@ -31,7 +31,8 @@ tallies; the command line and ``auto`` are its two front ends), ``data`` (jsonl 
 planning of (sample, bucket) tasks and of the first request's context), ``synth`` (prompts
 synthesised from a tokenizer), ``measure`` (the meters and the depth rules), ``auto`` (the first-run
 profile: budget, stages, log), ``profile_cache`` (its cache on disk: location, checkpoint
-fingerprint), ``plot`` (the PNG).
+fingerprint), ``plot`` (the PNG), ``rederive`` (an exact profile's per-generation-mode tables
+rewritten from the counts it carries: ``python -m bicache_sgl.calibration.rederive FILE``).
 """
 
 from .data import (

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..bicache.planner import RequestFacts, ReusePlan
+from ..bicache.policy import request_mode
 from ..constrained import Constraint, NoCompletion
 from ..decoding import NEG_INF
 from ..decoding.denoiser import make_denoiser
@@ -72,6 +73,8 @@ class Req:
         self.stops = StopRule(p, tuple(eos_ids), plan.gen_len, detok, constraint)
         self.logprobs = Logprobs(greq.top_logprobs_num, detok, greq.return_text_in_logprobs)
         self.structured = StructuredOutput(constraint, p) if constraint is not None else None
+        # which profile table serves it: "stop" only when nothing forces its answer past EOS
+        self.gen_mode = request_mode(p, eos_ids, constrained=constraint is not None)
         # resources, set at admission
         self.kv: SeqKV | None = None
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None  # classifier-free guidance: (tokens, K/V)
@@ -81,7 +84,7 @@ class Req:
         self.audit_kv: SeqKV | None = None
         self.auditing = False  # the next forward carries the audit shadow
         # (r, depth, reused logits, exact logits) of the audited first forward, for the audit
-        self.audit_pair: tuple[float, int, torch.Tensor, torch.Tensor] | None = None
+        self.audit_pair: tuple[float, int, torch.Tensor, torch.Tensor, str] | None = None
         self.served_exact = False  # audited: continued from the no-reuse forward (answer == cache off)
         # progress: the sequence [prompt_len + gen_len] (masks where not decided yet), the block
         # and its step, the final (whole-block) output
@@ -128,7 +131,7 @@ class Req:
         """What the planner needs to know about this request."""
         # an output capture (internal) may reuse its own prompt's rows: its result is only state
         exact = self.exact and not self.internal
-        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, exact)
+        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, exact, self.gen_mode)
 
     @property
     def exact(self) -> bool:
@@ -268,7 +271,7 @@ class Req:
             # The audited request continues from the exact forward (its answer equals cache off):
             # its logits and its K/V become the shadow's, and later forwards reuse nothing.
             plan = self.choice
-            self.audit_pair = (plan.r, plan.depth, logits[0], logits[-1])
+            self.audit_pair = (plan.r, plan.depth, logits[0], logits[-1], plan.mode)
             logits = [logits[-1], *logits[1:-1]]
             self.kv, self.audit_kv = self.audit_kv, self.kv
             self.cache.plan = plan.without_reuse()
