@@ -438,7 +438,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # (a line the block contains, the stdout the README's comments promise)
 README_BLOCKS = [
     ("client.chat.completions.create(", ["' 7'", "' 7' 88"]),
-    ("sgl.set_default_backend(", ["' 3' 79 8", "' 3' 79 8"]),
+    ("sgl.set_default_backend(", ["' 3' 148 8", "' 3' 148 8"]),
     ("engine = Engine()", ["' 5'"]),
 ]
 
