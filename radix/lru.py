@@ -33,28 +33,6 @@ class LruHeaps:
     def iter_nodes(self) -> Iterator[TreeNode]:
         raise NotImplementedError
 
-    def trim_candidates(self, min_depth: int) -> Iterator[TreeNode]:
-        """Unlocked nodes deeper than ``min_depth``, least recently used first (ties: creation
-        order), in passes (see ``PrefixIndex``). Nodes at or below ``min_depth`` leave the
-        trim heap as they are met, so a cache trimmed down to the floor costs nothing to ask."""
-        min_depth = self._begin_trim(min_depth)
-        deferred: list[TreeNode] = []
-        try:
-            while True:
-                while (node := self._pop_cold(min_depth)) is not None:
-                    deferred.append(node)
-                    yield node
-                if not deferred:
-                    return
-                again, deferred = deferred, []
-                for node in again:
-                    self._cold_push(node)
-                if not self._cold:
-                    return
-        finally:
-            for node in deferred:
-                self._cold_push(node)
-
     def _begin_trim(self, min_depth: int) -> int:
         """``min_depth`` checked; the trim heap made complete for nodes deeper than it."""
         min_depth = check_depth(min_depth)
@@ -81,13 +59,15 @@ class LruHeaps:
     def halve_cold(self, min_depth: int, need: int) -> tuple[list[TreeNode], list[int], int]:
         """Halve the depth of unlocked nodes deeper than ``min_depth`` (each to
         ``max(min_depth, depth // 2)``), least recently used first, in the passes of
-        :meth:`trim_candidates`, until ``need`` layer-tokens are dropped or nothing is deeper than
-        the floor. Returns (the nodes in the order they were halved, a node halved twice appearing
+        :meth:`PrefixIndex.halve_cold` (a node halved and still deeper than the floor comes again
+        in the next pass), until ``need`` layer-tokens are dropped or nothing is deeper than the
+        floor. Returns (the nodes in the order they were halved, a node halved twice appearing
         twice; the depth each halving left; layer-tokens dropped).
 
-        The same choices as ``trim_candidates`` + ``set_depth`` per node, in one loop: no
-        generator step, handle validation or histogram entry per node (the counters are updated
-        once at the end), which is what a full pool pays per trimmed node."""
+        The same choices as walking that order and calling ``set_depth`` per node (the tests'
+        ``trim_candidates``), in one loop: no generator step, handle validation or histogram entry
+        per node (the counters are updated once at the end), which is what a full pool pays per
+        trimmed node."""
         min_depth = self._begin_trim(min_depth)
         nodes: list[TreeNode] = []
         kept: list[int] = []

@@ -70,23 +70,6 @@ class MatchResult:
     values: np.ndarray
     segments: tuple[tuple[int, int], ...]
 
-    def depth_at(self, prefix_len: int) -> int:
-        """Minimum node depth over tokens ``[0, prefix_len)``; 0 for ``prefix_len == 0``.
-
-        Raises ``ValueError`` if ``prefix_len`` is negative or longer than the match.
-        """
-        if prefix_len < 0 or prefix_len > self.length:
-            raise ValueError(f"prefix_len {prefix_len} outside [0, {self.length}]")
-        if prefix_len == 0:
-            return 0
-        best: int | None = None
-        for end_len, depth in self.segments:
-            best = depth if best is None else min(best, depth)
-            if end_len >= prefix_len:
-                break
-        assert best is not None  # length > 0 implies at least one segment
-        return best
-
 
 @dataclass(frozen=True, eq=False)
 class InsertResult:
