@@ -3,12 +3,14 @@
 Pure bookkeeping (no torch): node values are int64 slot arrays into a prefix pool owned by the
 engine. ``PrefixIndex`` (radix/index.py) is what the cache manager calls; ``RadixTree``
 (radix/tree.py) is the cache, ``NullRadixTree`` the same interface caching nothing. Value types
-and argument checks: radix/node.py; the eviction and trim heaps: radix/lru.py; the full invariant
-check and dump: radix/integrity.py. ``INDEXES`` / ``make_index``: the indexes by name.
+and argument checks: radix/node.py; the eviction and trim heaps and the order they follow
+(``EvictionOrder``, LRU by default): radix/lru.py; the full invariant check and dump:
+radix/integrity.py. ``INDEXES`` / ``make_index``: the indexes by name.
 See docs/radix.md.
 """
 
 from radix.index import NullRadixTree, PrefixIndex
+from radix.lru import EvictionOrder, LeastRecentlyUsed
 from radix.node import InsertResult, MatchResult, NodeHandle, TreeNode, common_prefix_len
 from radix.tree import RadixTree
 
@@ -28,7 +30,9 @@ def make_index(name: str) -> PrefixIndex:
 
 __all__ = [
     "INDEXES",
+    "EvictionOrder",
     "InsertResult",
+    "LeastRecentlyUsed",
     "MatchResult",
     "NodeHandle",
     "NullRadixTree",

@@ -46,7 +46,7 @@ class TreeNode:
         self.serial = serial            # creation order: deterministic LRU tie-break
         self.alive = True               # False once evicted / reset: handle is dead
         self.owner = owner              # the index that made it (rejects foreign handles)
-        self.cold_t = -1                # last_access of its live trim-heap entry, -1: none
+        self.cold_t = -1                # order key of its live trim-heap entry, -1: none
 
     def __repr__(self) -> str:
         state = "" if self.alive else " dead"

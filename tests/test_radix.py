@@ -694,3 +694,27 @@ def test_prefix_indexes_are_chosen_by_name() -> None:
     assert all(issubclass(cls, PrefixIndex) for cls in INDEXES.values())
     with pytest.raises(ValueError, match="known: none, radix"):
         make_index("lfu")
+
+
+def test_eviction_order_is_given_to_the_tree() -> None:
+    """The tree evicts and trims in the order it is given: LRU by default, here the most recently
+    used first, with every invariant (heap liveness included) holding under the other order."""
+    from radix import EvictionOrder
+
+    class MostRecentFirst(EvictionOrder):
+        name = "mru"
+
+        def key(self, node) -> int:
+            return 1_000_000 - node.last_access
+
+    for order, evicted, survivor in ((None, [[0, 1]], [3, 4]), (MostRecentFirst(), [[2, 3]], [1, 2])):
+        t = RadixTree(order)
+        t.insert([1, 2], slots(0, 1), 2)
+        t.insert([3, 4], slots(2, 3), 2)  # the more recent one
+        t.check_integrity()
+        assert [v.tolist() for v in t.evict(2)] == evicted
+        t.check_integrity()
+        assert t.match_prefix(survivor).length == 2
+        nodes, _, _ = t.halve_cold(0, 1)
+        assert len(nodes) == 1
+        t.check_integrity()
