@@ -296,6 +296,9 @@ class SamplingParams:
                 raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
             if d.get("dllm_algorithm") is None:
                 kw["dllm_algorithm"] = remasking
+        for wire, knob in WIRE_NAMES.items():
+            if d.get(wire) is not None and d.get(knob) is not None:
+                raise ValueError(f"{wire} and {knob} are one setting: send one of them")
         for sent, v in d.items():
             if sent == "remasking":
                 continue

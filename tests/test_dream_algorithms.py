@@ -342,6 +342,11 @@ def test_schedule_primitives():
 def test_request_parameters_and_errors():
     p = SamplingParams.from_dict({"dllm_algorithm": "Entropy", "eps": 0.01, "alg_temp": 0, "steps": 64})
     assert (p.dllm_algorithm, p.dllm_eps, p.dllm_alg_temp, p.steps) == ("entropy", 0.01, 0.0, 64)
+    # one knob, one field: the wire names are aliases, and sending both spellings is refused
+    assert SamplingParams.from_dict({"dllm_eps": 0.01, "dllm_alg_temp": 0.5}) == \
+        SamplingParams.from_dict({"eps": 0.01, "alg_temp": 0.5})
+    with pytest.raises(ValueError, match="eps and dllm_eps are one setting"):
+        SamplingParams.from_dict({"eps": 0.01, "dllm_eps": 0.02})
     assert SamplingParams.from_dict({"dllm_algorithm": "LowConfidence"}).dllm_algorithm == "low_confidence"
     with pytest.raises(ValueError) as e:
         SamplingParams.from_dict({"dllm_algorithm": "joint_threshold"})
