@@ -7,6 +7,9 @@ engine: it loads the model once (``bicache_sgl.engine.model_runner.load``) and, 
 (``bicache_sgl.engine.stack.measurement_stack``); the measurement code in
 ``bicache_sgl.calibration`` sits below the engine. The names scripts import from here
 (``Sample``, ``kv_cosine_profile``, ...) are re-exported.
+
+Longer than ~450 lines because a CLI's text is long: its own flags' help (the engine settings
+among them come from config.py), the summary table and the JSON record; no measurement is here.
 """
 
 from __future__ import annotations

@@ -191,32 +191,32 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool),
-               "max_new_tokens must be an integer")
+              "max_new_tokens must be an integer")
         check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
-               f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+              f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.temperature is not None:
             check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-                   f"temperature must be >= 0, got {self.temperature!r}")
+                  f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_p is not None:
             check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-                   f"top_p must be in (0, 1], got {self.top_p!r}")
+                  f"top_p must be in (0, 1], got {self.top_p!r}")
         check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-               f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+              f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be a list of non-negative integers")
+              "stop_token_ids must be a list of non-negative integers")
         if self.steps is not None:
             check(isinstance(self.steps, int) and self.steps >= 1, f"steps must be >= 1, got {self.steps!r}")
         check_decode_knobs(self, shown=_SHOWN)
         check(isinstance(self.cfg_scale, (int, float)) and self.cfg_scale >= 0,
-               f"cfg_scale must be >= 0, got {self.cfg_scale!r}")
+              f"cfg_scale must be >= 0, got {self.cfg_scale!r}")
         for k in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, k)
             check(_is_num(v) and -2 <= v <= 2, f"{k} must be in [-2, 2], got {v!r}")
         check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         check(isinstance(self.logit_bias, tuple) and all(
             isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and _is_num(e[1])
@@ -224,7 +224,7 @@ class SamplingParams:
             "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
         check(self.regex is None or isinstance(self.regex, str), "regex must be a string")
         check(self.json_schema is None or isinstance(self.json_schema, str),
-               "json_schema must be a JSON string or object")
+              "json_schema must be a JSON string or object")
         check(self.regex is None or self.json_schema is None, "only one of regex and json_schema can be set")
 
     def resolved(self, model_defaults: Mapping[str, Any] | None = None) -> "SamplingParams":
@@ -425,7 +425,7 @@ class DecodeDefaults:
     def __post_init__(self) -> None:
         check_decode_knobs(self, required=("block_length", "cache_mode", "refresh_interval", "step_rows"))
         check(self.step_rows == "block" or self.cache_mode == "dual",
-               f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
+              f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
 
 
 @dataclass(frozen=True)
@@ -508,16 +508,16 @@ class EngineConfig:
             if v is not None or name == "max_running_requests":
                 check(is_int(v) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
         check(self.random_seed is None or is_int(self.random_seed),
-               f"random_seed must be an integer, got {self.random_seed!r}")
+              f"random_seed must be an integer, got {self.random_seed!r}")
         parse_prefix_cache_mode(self.prefix_cache)
         check(_is_num(self.calibration_budget_s) and self.calibration_budget_s >= 0,
-               f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
+              f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
         check(_is_num(self.bicache_tolerance) and 0 <= self.bicache_tolerance < 1,
-               f"bicache_tolerance must be in [0, 1), got {self.bicache_tolerance!r}")
+              f"bicache_tolerance must be in [0, 1), got {self.bicache_tolerance!r}")
         check(_is_num(self.bicache_audit_rate) and 0 <= self.bicache_audit_rate <= 1,
-               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
+              f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
         check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,
-               f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement!r}")
+              f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement!r}")
         check(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static)
                                                     and 0 < self.mem_fraction_static < 1),
                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")

@@ -114,10 +114,10 @@ class ServerArgs(EngineConfig):
             v = getattr(self, name)
             check((v is None and name == "steps") or (is_int(v) and v >= lo), f"{name} must be >= {lo}, got {v!r}")
         check(isinstance(self.graceful_shutdown_timeout, (int, float))
-               and 0 <= self.graceful_shutdown_timeout < float("inf"),
-               f"graceful_shutdown_timeout must be a number of seconds >= 0, got {self.graceful_shutdown_timeout!r}")
+              and 0 <= self.graceful_shutdown_timeout < float("inf"),
+              f"graceful_shutdown_timeout must be a number of seconds >= 0, got {self.graceful_shutdown_timeout!r}")
         check(self.router_policy in ROUTER_POLICIES,
-               f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
+              f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
 
     @property
     def url(self) -> str:
