@@ -7,6 +7,9 @@ engine: it loads the model once (``bicache_sgl.engine.model_runner.load``) and, 
 (``bicache_sgl.engine.stack.measurement_stack``); the measurement code in
 ``bicache_sgl.calibration`` sits below the engine. The names scripts import from here
 (``Sample``, ``kv_cosine_profile``, ...) are re-exported.
+
+Longer than ~450 lines because a CLI's text is long: its own flags' help (the engine settings
+among them come from config.py), the summary table and the JSON record; no measurement is here.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from .calibration.measure import (
     safe_table,
     token_agreement,
 )
+from .config import DecodeDefaults, EngineConfig
+from .flags import add_flags
 
 log = logging.getLogger("bicache_sgl.calibrate")
 
@@ -121,6 +126,29 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# EngineConfig fields that are flags of this CLI too (threshold as --decode-threshold: --threshold
+# is the K/V cosine here)
+ENGINE_FLAGS = ("model_path", "device", "dtype", "num_threads", "block_length", "threshold", "cache_mode",
+                "steps_per_block")
+# where the measurement uses a setting differently from the server, the help says how
+ENGINE_HELPS = {
+    "model_path": "Checkpoint folder or Hugging Face id (default: the bundled model).",
+    "block_length": "Decoding block; the generation region is whole blocks.",
+    "threshold": "agreement: confidence-threshold decoding (0 or 'none': fixed one-token-per-step schedule).",
+    "cache_mode": "agreement: in-request cache of the decoding runs (none | prefix | dual).",
+    "steps_per_block": "agreement: denoising steps per block (default: one per token).",
+    "num_threads": "torch CPU threads (default: torch's).",
+}
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """The shared settings checked by the one validator (config.py), as the server checks them:
+    raises ValueError naming the field."""
+    DecodeDefaults(block_length=args.block_length, threshold=args.decode_threshold, cache_mode=args.cache_mode,
+                   steps_per_block=args.steps_per_block)
+    EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bicache_sgl.calibrate",
@@ -129,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Put the result beside the model as bicache_profile.json, or pass it to the server / Engine "
                "with --bicache-profile. Details: docs/calibration.md.",
         formatter_class=_HelpFormatter)
-    ap.add_argument("--model-path", default=None,
-                    help="checkpoint folder or Hugging Face id (default: the bundled model)")
+    # the engine settings this CLI shares with the server: their flags, defaults, choices and
+    # parsing come from the one declaration (config.py), as the server's do
+    add_flags(ap, EngineConfig, only=ENGINE_FLAGS, rename={"threshold": "decode_threshold"}, helps=ENGINE_HELPS)
     ap.add_argument("--data", required=True,
                     help='jsonl, one object per line: {"prompt": ...} / {"text": ...} or '
                          '{"prefix": ..., "suffix": ...}')
@@ -172,24 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-length", type=_positive_int, default=32,
                     help="generation positions (max_new_tokens); also the largest generation region a "
                          "prefix/suffix pair may use to reach a low fraction")
-    ap.add_argument("--block-length", type=_positive_int, default=32,
-                    help="decoding block; the generation region is whole blocks")
     ap.add_argument("--pair-tolerance", type=_percent_points, default=DEFAULT_PAIR_TOLERANCE,
                     help="prefix/suffix pairs keep their question whole, so they reach only the fractions "
                          "|prefix| / (|prefix + suffix| + G) for generation regions G of whole blocks up to "
                          "--gen-length; a pair is measured at the largest such r within this many percentage "
                          "points at or below a bucket, and skips a bucket it cannot reach so")
     ap.add_argument("--max-samples", type=_positive_int, default=None, help="use at most this many samples")
-    ap.add_argument("--decode-threshold", type=_unit("--decode-threshold"), default=0.9,
-                    help="agreement: confidence-threshold decoding (0: fixed one-token-per-step schedule)")
-    ap.add_argument("--cache-mode", choices=("none", "prefix", "dual"), default="dual",
-                    help="agreement: in-request cache of the decoding runs")
-    ap.add_argument("--steps-per-block", type=_positive_int, default=None,
-                    help="agreement: denoising steps per block (default: one per token)")
-    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                    help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
-    ap.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -451,7 +468,12 @@ def _plot_path(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        check_engine_flags(args)
+    except ValueError as e:
+        ap.error(str(e))
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     plot_path = _plot_path(args)

@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .flags import add_flags
 
     ap = argparse.ArgumentParser(prog="python -m bicache_sgl", description="One-shot generation with a diffusion LM.")
-    ap.add_argument("--model-path", default=None, help="checkpoint folder or hub id (default: the bundled model)")
+    add_flags(ap, EngineConfig, only=("model_path",),
+              helps={"model_path": "checkpoint folder or hub id (default: the bundled model)"})
     ap.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); '-' reads stdin")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="length of the answer (default: %(default)s)")

@@ -11,10 +11,12 @@ built from these fields (flags.py), so splitting the file would split the declar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,6 +35,7 @@ CACHE_MODES = ("none", "prefix", "dual")
 # rows a dual-cache block step computes: the whole block (Fast-dLLM), or only the positions still
 # masked plus those unmasked by the previous forward (docs/performance.md, "Fewer rows per step")
 STEP_ROWS = ("block", "active")
+DEFAULT_MAX_N = 256  # the server's --max-n: largest n (samples per prompt) a request may ask for
 DEFAULT_PROBATION = 16  # agreeing audits per bucket before a first-run profile's depth is trusted
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
@@ -60,19 +63,39 @@ def canonical_algorithm(name: Any, what: str = "dllm_algorithm") -> str:
     raise ValueError(f"{what} must be one of {', '.join(ALGORITHMS)}; got {name!r}")
 
 
-def _check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless ``cond``: the one check every config dataclass uses."""
     if not cond:
         raise ValueError(msg)
 
 
-def _check_eps(v: Any, name: str) -> None:
-    if v is not None:
-        _check(_is_num(v) and 0 < v < 1, f"{name} must be in (0, 1) (the last timestep of Dream's schedule), got {v!r}")
+# The diffusion knobs a request (SamplingParams) and the engine (DecodeDefaults) both set, each
+# under one name with one check: name -> (valid?, what a valid value is). A request may also send
+# Dream's knobs under their generation_config.json names (WIRE_NAMES); errors name what was sent.
+DECODE_KNOBS: dict[str, tuple[Any, str]] = {
+    "block_length": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+    "steps_per_block": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+    "threshold": (lambda v: _is_num(v) and 0 <= v <= 1, "in [0, 1]"),
+    "dllm_algorithm": (lambda v: v in ALGORITHMS, f"one of {', '.join(ALGORITHMS)}"),
+    "dllm_eps": (lambda v: _is_num(v) and 0 < v < 1, "in (0, 1) (the last timestep of Dream's schedule)"),
+    "dllm_alg_temp": (lambda v: _is_num(v) and v >= 0, "a number >= 0 (0: the most confident positions)"),
+    "cache_mode": (lambda v: v in CACHE_MODES, f"one of {CACHE_MODES}"),
+    "refresh_interval": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    "step_rows": (lambda v: v in STEP_ROWS, f"one of {STEP_ROWS}"),
+}
+# request field -> knob, for the names a request may use besides the knob's own (docs/server.md)
+WIRE_NAMES = {"eps": "dllm_eps", "alg_temp": "dllm_alg_temp"}
+_SHOWN = {v: k for k, v in WIRE_NAMES.items()}
 
 
-def _check_alg_temp(v: Any, name: str) -> None:
-    if v is not None:
-        _check(_is_num(v) and v >= 0, f"{name} must be a number >= 0 (0: the most confident positions), got {v!r}")
+def check_decode_knobs(obj: Any, *, required: tuple[str, ...] = (), shown: Mapping[str, str] | None = None) -> None:
+    """Check each of :data:`DECODE_KNOBS` on ``obj``; None passes unless the knob is ``required``.
+    ``shown``: knob -> the name an error uses (a request's wire name)."""
+    for name, (ok, what) in DECODE_KNOBS.items():
+        v = getattr(obj, name)
+        if v is None and name not in required:
+            continue
+        check(v is not None and ok(v), f"{(shown or {}).get(name, name)} must be {what}, got {v!r}")
 
 
 def is_int(x: Any) -> bool:
@@ -150,8 +173,8 @@ class SamplingParams:
     # temperature of its position sampling (0: top-k). The wire's ``remasking`` (LLaDA's two names)
     # is the same setting: :meth:`from_dict` translates it (``dllm_algorithm`` wins when both are sent)
     dllm_algorithm: str | None = None
-    eps: float | None = None
-    alg_temp: float | None = None
+    dllm_eps: float | None = None  # the request may send it as ``eps`` (WIRE_NAMES)
+    dllm_alg_temp: float | None = None  # or as ``alg_temp``
     cfg_scale: float = 0.0
     cache_mode: str | None = None  # in-request cache: none | prefix | dual
     refresh_interval: int | None = None  # steps between in-request cache refreshes (0 = block start only)
@@ -167,62 +190,42 @@ class SamplingParams:
     json_schema: str | None = None  # JSON text (an object is serialized, key order kept)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool),
-               "max_new_tokens must be an integer")
-        _check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
-               f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool),
+              "max_new_tokens must be an integer")
+        check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+              f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.temperature is not None:
-            _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-                   f"temperature must be >= 0, got {self.temperature!r}")
+            check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+                  f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_p is not None:
-            _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-                   f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-               f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be a list of non-negative integers")
-        if self.block_length is not None:
-            _check(isinstance(self.block_length, int) and self.block_length >= 1,
-                   f"block_length must be an integer >= 1, got {self.block_length!r}")
+            check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+                  f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+              f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids must be a list of non-negative integers")
         if self.steps is not None:
-            _check(isinstance(self.steps, int) and self.steps >= 1, f"steps must be >= 1, got {self.steps!r}")
-        if self.steps_per_block is not None:
-            _check(isinstance(self.steps_per_block, int) and self.steps_per_block >= 1,
-                   f"steps_per_block must be >= 1, got {self.steps_per_block!r}")
-        if self.threshold is not None:
-            _check(isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1,
-                   f"threshold must be in [0, 1], got {self.threshold!r}")
-        if self.dllm_algorithm is not None:
-            _check(self.dllm_algorithm in ALGORITHMS,
-                   f"dllm_algorithm must be one of {', '.join(ALGORITHMS)}; got {self.dllm_algorithm!r}")
-        _check_eps(self.eps, "eps")
-        _check_alg_temp(self.alg_temp, "alg_temp")
-        _check(isinstance(self.cfg_scale, (int, float)) and self.cfg_scale >= 0,
-               f"cfg_scale must be >= 0, got {self.cfg_scale!r}")
-        if self.cache_mode is not None:
-            _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
-        if self.refresh_interval is not None:
-            _check(isinstance(self.refresh_interval, int) and self.refresh_interval >= 0,
-                   f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
-        if self.step_rows is not None:
-            _check(self.step_rows in STEP_ROWS, f"step_rows must be one of {STEP_ROWS}, got {self.step_rows!r}")
+            check(isinstance(self.steps, int) and self.steps >= 1, f"steps must be >= 1, got {self.steps!r}")
+        check_decode_knobs(self, shown=_SHOWN)
+        check(isinstance(self.cfg_scale, (int, float)) and self.cfg_scale >= 0,
+              f"cfg_scale must be >= 0, got {self.cfg_scale!r}")
         for k in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, k)
-            _check(_is_num(v) and -2 <= v <= 2, f"{k} must be in [-2, 2], got {v!r}")
-        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(isinstance(self.logit_bias, tuple) and all(
+            check(_is_num(v) and -2 <= v <= 2, f"{k} must be in [-2, 2], got {v!r}")
+        check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(isinstance(self.logit_bias, tuple) and all(
             isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and _is_num(e[1])
             and -100 <= e[1] <= 100 for e in self.logit_bias),
             "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
-        _check(self.regex is None or isinstance(self.regex, str), "regex must be a string")
-        _check(self.json_schema is None or isinstance(self.json_schema, str),
-               "json_schema must be a JSON string or object")
-        _check(self.regex is None or self.json_schema is None, "only one of regex and json_schema can be set")
+        check(self.regex is None or isinstance(self.regex, str), "regex must be a string")
+        check(self.json_schema is None or isinstance(self.json_schema, str),
+              "json_schema must be a JSON string or object")
+        check(self.regex is None or self.json_schema is None, "only one of regex and json_schema can be set")
 
     def resolved(self, model_defaults: Mapping[str, Any] | None = None) -> "SamplingParams":
         """``temperature`` and ``top_p`` left unset (None) filled from ``model_defaults`` (the
@@ -246,7 +249,7 @@ class SamplingParams:
         return None
 
     _ALIASES: ClassVar[dict[str, str]] = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-                                          "gen_length": "max_new_tokens", "sampling_seed": "seed"}
+                                          "gen_length": "max_new_tokens", "sampling_seed": "seed", **WIRE_NAMES}
     # Keys of SGLang's sampling-params schema this engine does not implement: key -> (values that
     # ask for nothing, what the key would need). SGLang's frontend sends most of them on every
     # call with their no-op defaults, so those are accepted; any other value is refused, because
@@ -293,10 +296,13 @@ class SamplingParams:
                 raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
             if d.get("dllm_algorithm") is None:
                 kw["dllm_algorithm"] = remasking
-        for k, v in d.items():
-            if k == "remasking":
+        for wire, knob in WIRE_NAMES.items():
+            if d.get(wire) is not None and d.get(knob) is not None:
+                raise ValueError(f"{wire} and {knob} are one setting: send one of them")
+        for sent, v in d.items():
+            if sent == "remasking":
                 continue
-            k = cls._ALIASES.get(k, k)
+            k = cls._ALIASES.get(sent, sent)
             if v is None:  # null always means "the default", for every key
                 continue
             if k in cls.UNSUPPORTED:
@@ -322,24 +328,35 @@ class SamplingParams:
                 v = _schema_text(v)
             elif k == "dllm_algorithm":
                 v = canonical_algorithm(v)
-            elif k in ("temperature", "top_p", "threshold", "cfg_scale", "frequency_penalty", "presence_penalty",
-                       "repetition_penalty", "min_p", "eps", "alg_temp"):
+            elif _field_kinds(cls)[k] is float:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ValueError(f"{k} must be a number, got {v!r}")
+                    raise ValueError(f"{sent} must be a number, got {v!r}")
                 v = float(v)
-            elif k in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed", "block_length", "steps",
-                       "steps_per_block", "refresh_interval"):
+            elif _field_kinds(cls)[k] is int:
                 if isinstance(v, float) and v.is_integer():
                     v = int(v)
                 if isinstance(v, bool) or not isinstance(v, int):
-                    raise ValueError(f"{k} must be an integer, got {v!r}")
-            elif k in ("ignore_eos", "skip_special_tokens") and not isinstance(v, bool):
-                raise ValueError(f"{k} must be a boolean, got {v!r}")
+                    raise ValueError(f"{sent} must be an integer, got {v!r}")
+            elif _field_kinds(cls)[k] is bool and not isinstance(v, bool):
+                raise ValueError(f"{sent} must be a boolean, got {v!r}")
             kw[k] = v
         return cls(**kw)
 
     def replace(self, **kw: Any) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
+
+
+@functools.cache
+def _field_kinds(cls: type) -> dict[str, type | None]:
+    """Field -> int, float or bool where its annotation is that scalar (``X | None`` too), else
+    None: what :meth:`SamplingParams.from_dict` coerces and checks a JSON value as, read from the
+    declaration rather than kept in a list beside it."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, type | None] = {}
+    for f in dataclasses.fields(cls):
+        args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+        out[f.name] = args[0] if len(args) == 1 and args[0] in (int, float, bool) else None
+    return out
 
 
 def parse_threshold(value: str) -> float | None:
@@ -406,22 +423,9 @@ class DecodeDefaults:
               "the most confident (default: generation_config.json, else 0).")
 
     def __post_init__(self) -> None:
-        _check(is_int(self.block_length) and self.block_length >= 1,
-               f"block_length must be an integer >= 1, got {self.block_length!r}")
-        _check(self.steps_per_block is None or (is_int(self.steps_per_block) and self.steps_per_block >= 1),
-               f"steps_per_block must be an integer >= 1, got {self.steps_per_block!r}")
-        _check(self.threshold is None or (_is_num(self.threshold) and 0 <= self.threshold <= 1),
-               f"threshold must be in [0, 1], got {self.threshold!r}")
-        _check(self.dllm_algorithm is None or self.dllm_algorithm in ALGORITHMS,
-               f"dllm_algorithm must be one of {', '.join(ALGORITHMS)}; got {self.dllm_algorithm!r}")
-        _check_eps(self.dllm_eps, "dllm_eps")
-        _check_alg_temp(self.dllm_alg_temp, "dllm_alg_temp")
-        _check(self.cache_mode in CACHE_MODES, f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
-        _check(is_int(self.refresh_interval) and self.refresh_interval >= 0,
-               f"refresh_interval must be an integer >= 0, got {self.refresh_interval!r}")
-        _check(self.step_rows in STEP_ROWS, f"step_rows must be one of {STEP_ROWS}, got {self.step_rows!r}")
-        _check(self.step_rows == "block" or self.cache_mode == "dual",
-               f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
+        check_decode_knobs(self, required=("block_length", "cache_mode", "refresh_interval", "step_rows"))
+        check(self.step_rows == "block" or self.cache_mode == "dual",
+              f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
 
 
 @dataclass(frozen=True)
@@ -496,28 +500,28 @@ class EngineConfig:
               "OMP_NUM_THREADS, when set, is followed instead). The HTTP server process uses 1.")
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_running_requests", "max_queued_requests", "context_length", "max_prefix_cache_tokens",
                      "max_total_tokens", "bicache_audit_probation", "num_threads"):
             v = getattr(self, name)
             lo = 0 if name in ("max_queued_requests", "max_prefix_cache_tokens", "bicache_audit_probation") else 1
             if v is not None or name == "max_running_requests":
-                _check(is_int(v) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
-        _check(self.random_seed is None or is_int(self.random_seed),
-               f"random_seed must be an integer, got {self.random_seed!r}")
+                check(is_int(v) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+        check(self.random_seed is None or is_int(self.random_seed),
+              f"random_seed must be an integer, got {self.random_seed!r}")
         parse_prefix_cache_mode(self.prefix_cache)
-        _check(_is_num(self.calibration_budget_s) and self.calibration_budget_s >= 0,
-               f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
-        _check(_is_num(self.bicache_tolerance) and 0 <= self.bicache_tolerance < 1,
-               f"bicache_tolerance must be in [0, 1), got {self.bicache_tolerance!r}")
-        _check(_is_num(self.bicache_audit_rate) and 0 <= self.bicache_audit_rate <= 1,
-               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
-        _check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,
-               f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement!r}")
-        _check(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static)
+        check(_is_num(self.calibration_budget_s) and self.calibration_budget_s >= 0,
+              f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
+        check(_is_num(self.bicache_tolerance) and 0 <= self.bicache_tolerance < 1,
+              f"bicache_tolerance must be in [0, 1), got {self.bicache_tolerance!r}")
+        check(_is_num(self.bicache_audit_rate) and 0 <= self.bicache_audit_rate <= 1,
+              f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
+        check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,
+              f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement!r}")
+        check(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static)
                                                     and 0 < self.mem_fraction_static < 1),
                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
-        _check(isinstance(self.decode, DecodeDefaults), "decode must be a DecodeDefaults")
+        check(isinstance(self.decode, DecodeDefaults), "decode must be a DecodeDefaults")
 
     @property
     def seed(self) -> int:
@@ -532,5 +536,3 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
 
-def as_tuple(x: Sequence[Any] | None) -> tuple:
-    return tuple(x) if x is not None else ()

@@ -81,18 +81,23 @@ def _default_of(f: dataclasses.Field) -> Any:
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
               only: Iterable[str] | None = None, skip: Iterable[str] = (),
-              defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None) -> None:
+              defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None,
+              rename: Mapping[str, str] | None = None) -> None:
     """Add a flag for each field of ``cls`` (see :func:`flag_fields`). ``defaults`` / ``helps``:
     per-field replacements for a CLI whose default differs (a benchmark's ``--prefix-cache off``)
-    or whose help names what the config layer cannot import (the attention registry)."""
-    defaults, helps = defaults or {}, helps or {}
+    or whose help names what the config layer cannot import (the attention registry). ``rename``:
+    field -> flag name (and dest) for a CLI where the field's own name means something else (the
+    calibrate CLI's ``--threshold`` is its K/V cosine, the decoding threshold is
+    ``--decode-threshold``)."""
+    defaults, helps, rename = defaults or {}, helps or {}, rename or {}
     hints: dict[str, Any] = {}
     for klass in _dataclasses_in(cls):
         hints.update(typing.get_type_hints(klass))
     for f in flag_fields(cls, only=only, skip=skip):
         m = f.metadata
         default = defaults.get(f.name, _default_of(f))
-        kw: dict[str, Any] = {"dest": f.name, "default": default}
+        dest = rename.get(f.name, f.name)
+        kw: dict[str, Any] = {"dest": dest, "default": default}
         text = helps.get(f.name, m.get("help") or "")
         typ = _scalar_type(hints[f.name])
         if typ is bool:
@@ -111,7 +116,11 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             if default is not None and not any(w in text.lower() for w in ("default:", "(default", "default ")):
                 text = f"{text} (default: %(default)s)"
         kw["help"] = text.replace("%", "%%").replace("%%(default)s", "%(default)s")
-        parser.add_argument(*(m.get("flags") or ("--" + f.name.replace("_", "-"),)), **kw)
+        if f.name in rename:
+            names: tuple[str, ...] = ("--" + dest.replace("_", "-"),)
+        else:
+            names = m.get("flags") or ("--" + f.name.replace("_", "-"),)
+        parser.add_argument(*names, **kw)
 
 
 def _dataclasses_in(cls: type) -> list[type]:

@@ -37,26 +37,6 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-def describe_exit(code: int | None, unknown: str = "still running") -> str:
-    """A child process's ``returncode`` in words (``unknown`` when there is none yet)."""
-    if code is None:
-        return unknown
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (the affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -9,7 +9,7 @@ so "cache off" is the choice of index, not a second cache manager.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -58,17 +58,12 @@ class PrefixIndex(ABC):
         """Nodes from the root (excluded) down to ``handle``."""
 
     @abstractmethod
-    def trim_candidates(self, min_depth: int) -> Iterator[NodeHandle]:
-        """Unlocked nodes deeper than ``min_depth``, least recently used first, in passes: a node
-        the caller leaves deeper than ``min_depth`` comes again in the next pass; the iteration
-        ends after a pass that yields nothing. Close it (``contextlib.closing``) when stopping
-        early; between two items the caller may only lower the yielded node's depth."""
-
-    @abstractmethod
     def halve_cold(self, min_depth: int, need: int) -> tuple[list[NodeHandle], list[int], int]:
-        """Halve unlocked nodes deeper than ``min_depth`` (to ``max(min_depth, depth // 2)``) in
-        :meth:`trim_candidates` order until ``need`` layer-tokens are dropped: (nodes halved, in
-        order, the depth each halving left, layer-tokens dropped). The caller frees the rows."""
+        """Halve unlocked nodes deeper than ``min_depth`` (to ``max(min_depth, depth // 2)``),
+        least recently used first, in passes (a node still deeper than ``min_depth`` after its
+        halving comes again in the next pass), until ``need`` layer-tokens are dropped: (nodes
+        halved, in order, the depth each halving left, layer-tokens dropped). The caller frees the
+        rows."""
 
     @abstractmethod
     def depth_histogram(self) -> dict[int, int]:
@@ -155,9 +150,6 @@ class NullRadixTree(PrefixIndex):
     def path(self, handle: NodeHandle) -> list[NodeHandle]:
         self._check(handle)
         return []
-
-    def trim_candidates(self, min_depth: int) -> Iterator[NodeHandle]:
-        return iter(())
 
     def halve_cold(self, min_depth: int, need: int) -> tuple[list[NodeHandle], list[int], int]:
         check_depth(min_depth)

@@ -88,13 +88,14 @@ def _check_tree(tree: Any, held_depth: Callable[[np.ndarray], int] | None) -> No
         uniq, counts = np.unique(all_slots, return_counts=True)
         assert uniq.size == all_slots.size, \
             f"unique slots: slots held twice: {uniq[counts > 1][:10].tolist()}"
-    live = {id(node) for t, _, _, node in tree._heap if node.alive and node.last_access == t}
+    key = tree._order.key
+    live = {id(node) for t, _, _, node in tree._heap if node.alive and key(node) == t}
     for node in leaves:
         assert id(node) in live, f"eviction heap: evictable leaf {node!r} has no live entry"
     cold = {id(node) for t, _, _, node in tree._cold if node.alive and node.cold_t == t}
     for node in unlocked:
         if node.depth > tree._cold_floor:
-            assert node.cold_t == node.last_access and id(node) in cold, \
+            assert node.cold_t == key(node) and id(node) in cold, \
                 f"trim heap: unlocked node {node!r} has no live entry"
 
 

@@ -46,7 +46,7 @@ class TreeNode:
         self.serial = serial            # creation order: deterministic LRU tie-break
         self.alive = True               # False once evicted / reset: handle is dead
         self.owner = owner              # the index that made it (rejects foreign handles)
-        self.cold_t = -1                # last_access of its live trim-heap entry, -1: none
+        self.cold_t = -1                # order key of its live trim-heap entry, -1: none
 
     def __repr__(self) -> str:
         state = "" if self.alive else " dead"
@@ -69,23 +69,6 @@ class MatchResult:
     handle: NodeHandle
     values: np.ndarray
     segments: tuple[tuple[int, int], ...]
-
-    def depth_at(self, prefix_len: int) -> int:
-        """Minimum node depth over tokens ``[0, prefix_len)``; 0 for ``prefix_len == 0``.
-
-        Raises ``ValueError`` if ``prefix_len`` is negative or longer than the match.
-        """
-        if prefix_len < 0 or prefix_len > self.length:
-            raise ValueError(f"prefix_len {prefix_len} outside [0, {self.length}]")
-        if prefix_len == 0:
-            return 0
-        best: int | None = None
-        for end_len, depth in self.segments:
-            best = depth if best is None else min(best, depth)
-            if end_len >= prefix_len:
-                break
-        assert best is not None  # length > 0 implies at least one segment
-        return best
 
 
 @dataclass(frozen=True, eq=False)

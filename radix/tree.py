@@ -32,7 +32,7 @@ import numpy as np
 
 from radix.index import PrefixIndex
 from radix.integrity import TreeChecks
-from radix.lru import LruHeaps
+from radix.lru import EvictionOrder, LeastRecentlyUsed, LruHeaps
 from radix.node import (
     EMPTY_SLOTS,
     InsertResult,
@@ -49,7 +49,10 @@ from radix.node import (
 class RadixTree(LruHeaps, TreeChecks, PrefixIndex):
     """SGLang-style radix tree over token ids with per-node prefix-state depth."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: EvictionOrder | None = None) -> None:
+        """``order``: which unlocked node eviction and trims give up first (default: least
+        recently used)."""
+        self._order = order if order is not None else LeastRecentlyUsed()
         self._serials = itertools.count()
         self._push_seq = itertools.count()
         self._clock = 0                     # logical LRU clock: one tick per match/insert
@@ -61,11 +64,11 @@ class RadixTree(LruHeaps, TreeChecks, PrefixIndex):
         self._num_nodes = 0                 # excluding root
         self._hist: dict[int, int] = {}     # depth -> tokens held at that depth
         # Lazy min-heap of evictable leaves. An entry is live iff the node is still an evictable
-        # leaf and its last_access equals the entry's; stale entries are skipped on pop and purged
+        # leaf and its order key equals the entry's; stale entries are skipped on pop and purged
         # when they outnumber the nodes.
         self._heap: list[tuple[int, int, int, TreeNode]] = []
         # Lazy min-heap of unlocked nodes for trims: an entry is live iff node.cold_t equals its
-        # time (one live entry per node). Complete for nodes deeper than _cold_floor.
+        # key (one live entry per node). Complete for nodes deeper than _cold_floor.
         self._cold: list[tuple[int, int, int, TreeNode]] = []
         self._cold_floor = 0
 
@@ -207,7 +210,7 @@ class RadixTree(LruHeaps, TreeChecks, PrefixIndex):
         got = got_layers = 0
         while (got < num_tokens or got_layers < num_layer_tokens) and self._heap:
             t, _, _, node = heapq.heappop(self._heap)
-            if not self._is_evictable_leaf(node) or node.last_access != t:
+            if not self._is_evictable_leaf(node) or self._order.key(node) != t:
                 continue  # stale entry
             parent = node.parent
             assert parent is not None

@@ -93,7 +93,7 @@ CLI_FLAGS: dict[str, tuple] = {
     "--dtype": ("dtype", "auto", None),
     "--json": ("json", False, None),
     "--max-new-tokens": ("max_new_tokens", 64, None),
-    "--model-path": ("model_path", None, None),
+    "--model-path/--model": ("model_path", None, None),  # the server's flag, alias included
     "--prompt": ("prompt", None, None),
     "--remasking": ("remasking", "low_confidence", ("low_confidence", "random")),
     "--steps": ("steps", None, None),
@@ -140,7 +140,7 @@ SHARED_FLAG_CLIS: dict[str, dict[str, tuple]] = {
         "--gsp-groups": ("gsp_groups", 4),
         "--gsp-per-group": ("gsp_per_group", 8),
         "--interleave": ("interleave", False),
-        "--model-path": ("model_path", None),
+        "--model-path/--model": ("model_path", None),
         "--no-plot": ("no_plot", False),
         "--num-threads": ("num_threads", None),
         "--out-dir": ("out_dir", None),
@@ -375,3 +375,22 @@ def test_flags_helper_on_a_small_hierarchy(capsys):
         option(1, "")
     with pytest.raises(TypeError, match="default to False"):
         add_flags(argparse.ArgumentParser(), OnByDefault)
+
+
+def test_calibrate_engine_flags_are_the_declaration():
+    """The calibrate CLI's engine settings are the config's fields: same defaults, choices and
+    parsing as the server's flags, checked by the same validator (no restated literals)."""
+    from bicache_sgl import calibrate
+
+    parser = calibrate.build_parser()
+    table = {a.dest: a for a in parser._actions}
+    server = {a.dest: a for a in build_parser()._actions}
+    for name in calibrate.ENGINE_FLAGS:
+        dest = "decode_threshold" if name == "threshold" else name
+        mine, theirs = table[dest], server[name]
+        kind = [getattr(a.type, "__name__", None) for a in (mine, theirs)]  # a parse= wrapper is per parser
+        assert (mine.default, mine.choices, kind[0]) == (theirs.default, theirs.choices, kind[1]), name
+    ns = parser.parse_args(["--data", "d", "--out", "o", "--decode-threshold", "none", "--threshold", "0.5"])
+    assert (ns.decode_threshold, ns.threshold) == (None, 0.5)  # the decoding one parses as the server's
+    with pytest.raises(SystemExit):
+        calibrate.main(["--data", "d", "--out", "o", "--steps-per-block", "0"])

@@ -267,7 +267,7 @@ def test_alg_temp_and_sampling_are_seeded(dream):
     model, cfg, tok, prompts = dream
     runs = {}
     for seed in (1, 1, 2):
-        p = _params("entropy", 16, seed=seed, alg_temp=0.5).replace(temperature=0.8, top_p=0.9, top_k=40)
+        p = _params("entropy", 16, seed=seed, dllm_alg_temp=0.5).replace(temperature=0.8, top_p=0.9, top_k=40)
         runs.setdefault(seed, []).append(run_req(model, cfg, tok, prompts[0], p, EXACT)[0])
     assert runs[1][0] == runs[1][1] != runs[2][0]
     assert all(cfg.mask_token_id not in r for v in runs.values() for r in v)
@@ -341,7 +341,12 @@ def test_schedule_primitives():
 
 def test_request_parameters_and_errors():
     p = SamplingParams.from_dict({"dllm_algorithm": "Entropy", "eps": 0.01, "alg_temp": 0, "steps": 64})
-    assert (p.dllm_algorithm, p.eps, p.alg_temp, p.steps) == ("entropy", 0.01, 0.0, 64)
+    assert (p.dllm_algorithm, p.dllm_eps, p.dllm_alg_temp, p.steps) == ("entropy", 0.01, 0.0, 64)
+    # one knob, one field: the wire names are aliases, and sending both spellings is refused
+    assert SamplingParams.from_dict({"dllm_eps": 0.01, "dllm_alg_temp": 0.5}) == \
+        SamplingParams.from_dict({"eps": 0.01, "alg_temp": 0.5})
+    with pytest.raises(ValueError, match="eps and dllm_eps are one setting"):
+        SamplingParams.from_dict({"eps": 0.01, "dllm_eps": 0.02})
     assert SamplingParams.from_dict({"dllm_algorithm": "LowConfidence"}).dllm_algorithm == "low_confidence"
     with pytest.raises(ValueError) as e:
         SamplingParams.from_dict({"dllm_algorithm": "joint_threshold"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from radix_support import depth_at, trim_candidates
 
 from radix import InsertResult, MatchResult, NullRadixTree, PrefixIndex, RadixTree
 
@@ -35,7 +36,7 @@ def test_empty_tree_match_is_root(tree: RadixTree) -> None:
     assert m.handle is tree._root
     assert m.values.dtype == np.int64 and m.values.size == 0
     assert m.segments == ()
-    assert m.depth_at(0) == 0
+    assert depth_at(m, 0) == 0
 
 
 def test_full_match_returns_inserted_slots(tree: RadixTree) -> None:
@@ -203,19 +204,19 @@ def test_segments_and_depth_at(tree: RadixTree) -> None:
     assert m.length == 7
     assert m.segments == ((3, 8), (5, 3), (7, 2))
     assert m.values.tolist() == [0, 1, 2, 3, 4, 5, 6]
-    assert [m.depth_at(p) for p in range(8)] == [0, 8, 8, 8, 3, 3, 2, 2]
+    assert [depth_at(m, p) for p in range(8)] == [0, 8, 8, 8, 3, 3, 2, 2]
     with pytest.raises(ValueError):
-        m.depth_at(8)
+        depth_at(m, 8)
     with pytest.raises(ValueError):
-        m.depth_at(-1)
+        depth_at(m, -1)
 
 
 def test_depth_at_takes_minimum_not_last() -> None:
     m = MatchResult(length=6, handle=None, values=slots(0, 1, 2, 3, 4, 5),  # type: ignore[arg-type]
                     segments=((2, 4), (4, 1), (6, 9)))
-    assert m.depth_at(2) == 4
-    assert m.depth_at(3) == 1
-    assert m.depth_at(6) == 1
+    assert depth_at(m, 2) == 4
+    assert depth_at(m, 3) == 1
+    assert depth_at(m, 6) == 1
 
 
 def test_insert_never_upgrades_set_depth_does(tree: RadixTree) -> None:
@@ -270,7 +271,7 @@ def test_set_depth_lowers_and_raises(tree: RadixTree) -> None:
     h = tree.insert([1, 2, 3], slots(0, 1, 2), depth=6).handle
     tree.set_depth(h, 2)
     assert tree.total_layer_tokens() == 6
-    assert tree.match_prefix([1, 2, 3]).depth_at(3) == 2
+    assert depth_at(tree.match_prefix([1, 2, 3]), 3) == 2
     tree.set_depth(h, 0)
     assert tree.total_layer_tokens() == 0
     assert tree.total_size() == 3  # slots still held
@@ -306,18 +307,18 @@ def test_trim_candidates_lru_order_in_passes(tree: RadixTree) -> None:
     d = tree.insert([4], slots(3), depth=8).handle
     tree.lock(d)
     seen = []
-    for node in tree.trim_candidates(1):
+    for node in trim_candidates(tree, 1):
         seen.append(node)
         tree.set_depth(node, max(1, node.depth // 2))
     assert seen == [a, b, a, b, a, b]  # 8 -> 4 -> 2 -> 1, one halving per pass
     assert (a.depth, b.depth, c.depth, d.depth) == (1, 1, 1, 8)
-    assert list(tree.trim_candidates(1)) == []
+    assert list(trim_candidates(tree, 1)) == []
     tree.unlock(d)
     tree.set_depth(a, 4)  # raised again: a candidate again
     tree.match_prefix([1])  # a is now the most recent
     from contextlib import closing
     from itertools import islice
-    with closing(tree.trim_candidates(1)) as it:
+    with closing(trim_candidates(tree, 1)) as it:
         assert list(islice(it, 4)) == [d, a, d, a]  # left deep: every pass again
     tree.check_integrity()
 
@@ -325,20 +326,20 @@ def test_trim_candidates_lru_order_in_passes(tree: RadixTree) -> None:
 def test_trim_candidates_stopped_early_keeps_every_candidate(tree: RadixTree) -> None:
     from contextlib import closing
     nodes = [tree.insert([i], slots(i), depth=4).handle for i in range(5)]
-    with closing(tree.trim_candidates(1)) as it:
+    with closing(trim_candidates(tree, 1)) as it:
         first = next(it)
         tree.set_depth(first, 2)
     assert first is nodes[0]
     tree.check_integrity()  # the trim heap still has a live entry for every candidate
     order = []
-    with closing(tree.trim_candidates(1)) as it:
+    with closing(trim_candidates(tree, 1)) as it:
         for node in it:
             order.append(node)
             if len(order) == 5:
                 break
     assert order == nodes  # LRU order (ties: creation order), the stopped one included
     from itertools import islice
-    with closing(tree.trim_candidates(0)) as it:  # a lower floor rebuilds the heap
+    with closing(trim_candidates(tree, 0)) as it:  # a lower floor rebuilds the heap
         assert list(islice(it, 5)) == nodes
     tree.check_integrity()
 
@@ -565,11 +566,11 @@ def test_null_tree() -> None:
     assert not r.taken.any() and len(r.taken) == 3
     assert freed_set(r.to_free) == [4, 5, 6]
     m = t.match_prefix([1, 2, 3])
-    assert m.length == 0 and m.values.size == 0 and m.segments == () and m.depth_at(0) == 0
+    assert m.length == 0 and m.values.size == 0 and m.segments == () and depth_at(m, 0) == 0
     t.lock(m.handle)
     t.unlock(m.handle)
     t.set_depth(m.handle, 0)
-    assert list(t.trim_candidates(1)) == [] and t.caches is False and RadixTree().caches
+    assert list(trim_candidates(t, 1)) == [] and t.caches is False and RadixTree().caches
     assert t.evict(100) == []
     assert (t.evictable_size(), t.protected_size(), t.total_size(),
             t.total_layer_tokens()) == (0, 0, 0, 0)
@@ -602,7 +603,7 @@ def _halve_by_candidates(tree: RadixTree, min_depth: int, need: int) -> tuple[li
     nodes, kept, dropped = [], [], 0
     if need <= 0:
         return nodes, kept, dropped
-    with closing(tree.trim_candidates(min_depth)) as it:
+    with closing(trim_candidates(tree, min_depth)) as it:
         for node in it:
             new = max(min_depth, node.depth // 2)
             dropped += len(node.value) * (node.depth - new)
@@ -682,3 +683,38 @@ def test_evict_by_layer_tokens_is_leaf_by_leaf_eviction() -> None:
         assert trees[0].total_size() == trees[1].total_size()
         trees[1].check_integrity()
     assert RadixTree().evict(0, 0) == [] and NullRadixTree().evict(3, 5) == []
+
+
+def test_prefix_indexes_are_chosen_by_name() -> None:
+    """The cache manager's index comes from the registry by name; an unknown name lists the known."""
+    from radix import INDEXES, make_index
+
+    assert isinstance(make_index("radix"), RadixTree) and isinstance(make_index("none"), NullRadixTree)
+    assert make_index("radix") is not make_index("radix")  # a fresh, empty index each time
+    assert all(issubclass(cls, PrefixIndex) for cls in INDEXES.values())
+    with pytest.raises(ValueError, match="known: none, radix"):
+        make_index("lfu")
+
+
+def test_eviction_order_is_given_to_the_tree() -> None:
+    """The tree evicts and trims in the order it is given: LRU by default, here the most recently
+    used first, with every invariant (heap liveness included) holding under the other order."""
+    from radix import EvictionOrder
+
+    class MostRecentFirst(EvictionOrder):
+        name = "mru"
+
+        def key(self, node) -> int:
+            return 1_000_000 - node.last_access
+
+    for order, evicted, survivor in ((None, [[0, 1]], [3, 4]), (MostRecentFirst(), [[2, 3]], [1, 2])):
+        t = RadixTree(order)
+        t.insert([1, 2], slots(0, 1), 2)
+        t.insert([3, 4], slots(2, 3), 2)  # the more recent one
+        t.check_integrity()
+        assert [v.tolist() for v in t.evict(2)] == evicted
+        t.check_integrity()
+        assert t.match_prefix(survivor).length == 2
+        nodes, _, _ = t.halve_cold(0, 1)
+        assert len(nodes) == 1
+        t.check_integrity()

@@ -14,6 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from radix_support import depth_at, trim_candidates
 
 from radix import RadixTree
 
@@ -136,7 +137,7 @@ class RadixMachine(RuleBasedStateMachine):
             start = end
         assert per_tok == [e[1] for e in exp]
         for p in range(n + 1):
-            assert m.depth_at(p) == (min(per_tok[:p]) if p else 0)
+            assert depth_at(m, p) == (min(per_tok[:p]) if p else 0)
         if n == 0:
             assert m.handle is self.tree._root
         assert handle_end(self.tree, m.handle)[0] == tuple(ids[:n])
@@ -245,7 +246,7 @@ class RadixMachine(RuleBasedStateMachine):
         locked = self.locked_keys()
         eligible = [n for n in self.tree.iter_nodes() if n.lock_ref == 0 and n.depth > floor]
         coldest = min(eligible, key=lambda n: (n.last_access, n.serial), default=None)
-        with closing(self.tree.trim_candidates(floor)) as it:
+        with closing(trim_candidates(self.tree, floor)) as it:
             for k, node in enumerate(it):
                 if k >= steps:
                     break

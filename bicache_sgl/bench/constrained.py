@@ -12,7 +12,9 @@ import time
 
 import torch
 
+from ..config import DecodeDefaults
 from ..constrained import compile_constraint
+from ..flags import add_flags
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -54,7 +56,7 @@ def measure(tokenizer, block_length: int = 32, steps: int = 20, seed: int = 0) -
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the bundled model's)")
-    ap.add_argument("--block-length", type=int, default=32)
+    add_flags(ap, DecodeDefaults, only=("block_length",))
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..config import EngineConfig
+from ..flags import add_flags
 from ..runtime import Runtime, http_json, parse_server_args
 
 INVALID = -9999999
@@ -255,7 +257,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--launch", action="store_true",
                     help="start a server with bicache_sgl.Runtime (a free loopback port; --host/--port "
                          "are ignored), run, and stop it")
-    ap.add_argument("--model-path", default=None, help="--launch: the model (default: the bundled model)")
+    add_flags(ap, EngineConfig, only=("model_path",),
+              helps={"model_path": "--launch: the model (default: the bundled model)"})
     ap.add_argument("--server-args", default="",
                     help='--launch: extra server flags, e.g. "--num-threads 1 --block-length 32"')
     ap.add_argument("--prefix-cache", default=None,

@@ -96,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags (their dests and defaults are pinned in tests/test_config_flags.py)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="checkpoint folder (default: the bundled model)")
-    ap.add_argument("--bicache-profile", default=None,
-                    help="profile for bicache+dual (default: bicache_profile.json beside the model, else "
-                         "calibrated on the spot into the output folder)")
+    add_flags(ap, EngineConfig, only=("model_path", "bicache_profile"),
+              helps={"model_path": "checkpoint folder (default: the bundled model)",
+                     "bicache_profile": "profile for bicache+dual (default: bicache_profile.json beside the model, "
+                                        "else calibrated on the spot into the output folder)"})
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     ap.add_argument("--concurrency", default="1,16", help="comma-separated max concurrencies")
     ap.add_argument("--ratios", default="0.3,0.5,0.75,0.9",

@@ -152,3 +152,10 @@ def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None,
     audited = profile is not None and (audit_rate > 0 or probation > 0)
     audit = DepthAudit(profile, audit_rate, audit_min_agreement, seed, probation) if audited else None
     return ProfilePolicy(n_layers, profile, audit)
+
+
+def uses_profile(mode: str) -> bool:
+    """Whether the mode ``mode`` (``--prefix-cache``) decides depths from a calibrated profile:
+    what tells the engine whether to look one up or calibrate one, and whether running without one
+    is worth a warning (only ``bicache``; the others never read it)."""
+    return parse_prefix_cache_mode(mode)[0] == "bicache"

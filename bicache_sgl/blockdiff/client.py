@@ -46,7 +46,7 @@ _REFUSED = {
     "steps": (None, "steps (the total over the generation region); block-diffusion models take steps_per_block"),
     "dllm_algorithm": (None, "dllm_algorithm (block-diffusion models decode with their published per-block "
                              "threshold unmasking)"),
-    "eps": (None, "eps"), "alg_temp": (None, "alg_temp"), "cfg_scale": (0.0, "cfg_scale"),
+    "dllm_eps": (None, "eps"), "dllm_alg_temp": (None, "alg_temp"), "cfg_scale": (0.0, "cfg_scale"),
     "cache_mode": (None, "cache_mode (block-diffusion models always use their exact block K/V cache)"),
     "refresh_interval": (None, "refresh_interval"), "step_rows": (None, "step_rows"),
     "frequency_penalty": (0.0, "frequency_penalty"), "presence_penalty": (0.0, "presence_penalty"),

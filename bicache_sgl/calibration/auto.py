@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..bicache.policy import uses_profile
 from ..bicache.profile import CRITERION_EXACT, PROFILE_AUTO, PROFILE_FILENAME, BicacheProfile, find_profile
 from .data import DEFAULT_FRACTIONS, DataError, Record, Sample, gen_candidates, plan_tasks, read_data, tokenize
 from .driver import Driver, Item, MeasureStack, Tally, by_rounds, items_for
@@ -94,7 +95,7 @@ def resolve_profile(cfg, loaded, measure_stack: Callable[..., MeasureStack] | No
 def _resolve(cfg, loaded, measure_stack: Callable[..., MeasureStack] | None) -> BicacheProfile | None:
     choice = cfg.bicache_profile
     n_layers = loaded.model_config.n_layers
-    bicache = cfg.prefix_cache_kind[0] == "bicache"
+    bicache = uses_profile(cfg.prefix_cache)
     if choice is None:
         prof = find_profile(loaded.model_path, None, n_layers)
         if prof is not None or not bicache:

@@ -90,13 +90,18 @@ class DecodePlan:
     block_length: int
     steps_per_block: int
     threshold: float | None
-    remasking: str  # LLaDA's algorithm, or the confidence a constraint reports for Dream's
     cache_mode: str
     refresh_interval: int
     algorithm: str = "low_confidence"  # config.ALGORITHMS
     eps: float = DEFAULT_EPS  # Dream's last timestep
     alg_temp: float = 0.0  # Dream's position sampling temperature (0: the most confident)
     step_rows: str = "block"  # config.STEP_ROWS: what a dual-cache block step computes
+
+    @property
+    def remasking(self) -> str:
+        """The confidence the LLaDA sampler ranks positions by: the algorithm itself for LLaDA's
+        two, "low_confidence" (the confidence a constraint reports) for Dream's."""
+        return self.algorithm if self.algorithm in REMASKING else "low_confidence"
 
     @property
     def spec(self) -> AlgorithmSpec:
@@ -147,15 +152,14 @@ class DecodePlan:
         g_steps, g_alg, g_eps, g_temp = (g.steps, g.algorithm, g.eps, g.alg_temp) if g is not None else (None,) * 4
         block = p.block_length or d.block_length
         alg = p.dllm_algorithm or d.dllm_algorithm or g_alg or (family or ANY_FAMILY).default_algorithm
-        remasking = alg if alg in REMASKING else "low_confidence"
         cache_mode = p.cache_mode or d.cache_mode
         step_rows = p.step_rows or d.step_rows
         if step_rows != "block" and cache_mode != "dual":
             raise ValueError(f"step_rows {step_rows!r} needs cache_mode 'dual' (got {cache_mode!r})")
-        knobs = {"algorithm": alg, "eps": _first(p.eps, d.dllm_eps, g_eps, DEFAULT_EPS),
-                 "alg_temp": _first(p.alg_temp, d.dllm_alg_temp, g_temp, 0.0), "step_rows": step_rows}
+        knobs = {"algorithm": alg, "eps": _first(p.dllm_eps, d.dllm_eps, g_eps, DEFAULT_EPS),
+                 "alg_temp": _first(p.dllm_alg_temp, d.dllm_alg_temp, g_temp, 0.0), "step_rows": step_rows}
         if p.max_new_tokens <= 0:
-            return cls(0, block, 1, None, remasking, cache_mode, 0, **knobs)
+            return cls(0, block, 1, None, cache_mode, 0, **knobs)
         n_blocks = -(-p.max_new_tokens // block)
         gen = n_blocks * block
         if p.steps_per_block:
@@ -171,5 +175,5 @@ class DecodePlan:
         if ALGORITHM_SPECS[alg].max_steps_per_block is None:
             spb = min(spb, block)  # Dream's schedule may have more steps than tokens (steps that unmask none)
         thr = p.threshold if p.threshold is not None else d.threshold
-        return cls(gen, block, spb, thr if thr else None, remasking, cache_mode,
+        return cls(gen, block, spb, thr if thr else None, cache_mode,
                    p.refresh_interval if p.refresh_interval is not None else d.refresh_interval, **knobs)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..bicache.policy import make_policy
+from ..bicache.policy import make_policy, uses_profile
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
@@ -79,7 +79,7 @@ class Engine:
                                   audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.seed,
                                   probation=probation)
         self.audit = self.policy.audit
-        if self.policy.name == "bicache" and self.profile is None:
+        if uses_profile(cfg.prefix_cache) and self.profile is None:
             log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
                         "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
                         "bicache_sgl.calibrate to make one.", self.model_path)

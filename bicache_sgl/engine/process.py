@@ -49,7 +49,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..constrained.index import Limits
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
-from ..runtime import describe_exit
+from ..procinfo import describe_exit
 from ..scheduler.validate import ValidRequest, validate_request
 from .process_child import default_engine_threads, engine_main
 from .wire import EngineDeadError, dumps, failed_event, fill_logprob_texts

@@ -34,7 +34,7 @@ from ..config import EngineConfig
 from ..constrained import token_table
 from ..constrained.index import seed as seed_index
 from ..io_struct import RequestEvent
-from ..runtime import available_cpus
+from ..procinfo import available_cpus
 from ..scheduler.validate import ValidRequest
 from .wire import LOG_FORMAT, dumps, failed_event, portable_error
 

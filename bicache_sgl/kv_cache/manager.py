@@ -45,7 +45,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from radix import NodeHandle, NullRadixTree, PrefixIndex, RadixTree, common_prefix_len
+from radix import NodeHandle, PrefixIndex, common_prefix_len, make_index
 
 from ..bicache.planner import NO_REUSE, MatchFacts, RequestFacts, ReusePlan, contexts_in, plan_reuse
 from ..bicache.policy import DepthPolicy
@@ -395,7 +395,9 @@ class CacheManager:
         pool.check_exact_classes(np.arange(pool.token_capacity))
 
 
-def make_cache_manager(policy: DepthPolicy, pool: KVPool) -> CacheManager:
-    """The cache for ``policy``: a radix index over ``pool``'s prefix rows, or the null index
-    (caching nothing) for ``off``."""
-    return CacheManager(RadixTree() if policy.uses_cache else NullRadixTree(), pool, policy)
+def make_cache_manager(policy: DepthPolicy, pool: KVPool, index: str | None = None) -> CacheManager:
+    """The cache for ``policy`` over ``pool``'s prefix rows, on the prefix index named ``index``
+    (``radix.INDEXES``); by default "radix", or "none" (caching nothing) when the policy uses no
+    cache."""
+    name = index if index is not None else ("radix" if policy.uses_cache else "none")
+    return CacheManager(make_index(name), pool, policy)

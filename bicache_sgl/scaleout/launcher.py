@@ -18,7 +18,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bicache_sgl.runtime import available_cpus, describe_exit, find_free_port, http_json
+from bicache_sgl.procinfo import available_cpus, describe_exit
+from bicache_sgl.runtime import find_free_port, http_json
 from bicache_sgl.scaleout.children import READY_MESSAGE, WORKER_HOST, Child, Worker
 from bicache_sgl.server.args import ServerArgs, redact_unknown
 

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from ..attention import ALIASES, available_backends, create_backend
+from ..config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.model_runner import pick_device
+from ..flags import add_flags
 from ..models.loader import default_model_path, load_model_config
 from ..testing import make_tiny_dream, make_tiny_llada_moe
 from ..testing.block import make_tiny_llada2, make_tiny_sdar
@@ -57,15 +59,15 @@ arguments. Rows marked info are measurements; skipped rows say why and never cou
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bicache_sgl.selftest", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                    help="where to run (auto: cuda when available, else cpu)")
-    ap.add_argument("--attention-backend", default="torch",
-                    help=f"attention backend of the engines and forwards checked ({', '.join(available_backends())}; "
-                         "a kernel that does not support the model's dtype / head_dim falls back to torch, and the "
-                         "depth-d row names the backend that ran)")
+    # the engine settings: the server's flags (EngineConfig's declaration), with this tool's help
+    add_flags(ap, EngineConfig, only=("device", "attention_backend"), helps={
+        "device": "where to run: auto | cpu | cuda | cuda:N (auto: cuda when available, else cpu)",
+        "attention_backend": f"attention backend of the engines and forwards checked "
+                             f"({', '.join(available_backends())}; a kernel that does not support the model's dtype / "
+                             "head_dim falls back to torch, and the depth-d row names the backend that ran)"})
     ap.add_argument("--probe-seconds", type=float, default=30.0,
                     help="total timed seconds of the throughput probe, both modes together (0: skip it)")
-    ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engines")
+    add_flags(ap, EngineConfig, only=("num_threads",), helps={"num_threads": "torch CPU threads of the engines"})
     return ap
 
 
@@ -75,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     try:
         args.device = pick_device(args.device)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # torch's device parser raises RuntimeError
         ap.error(f"--device: {e}")
     name = ALIASES.get(args.attention_backend, args.attention_backend)
     if name not in available_backends():

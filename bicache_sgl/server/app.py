@@ -41,7 +41,8 @@ logger = logging.getLogger("bicache_sgl.server")
 
 READY_MESSAGE = "The server is fired up and ready to roll!"
 WARMUP_PROMPT = "The capital city of France is"
-STARTUP_TIMEOUT_S = 120.0  # for the HTTP socket to answer before the warmup request
+SOCKET_READY_TIMEOUT_S = 120.0  # for the HTTP socket to answer before the warmup request (the engine
+# process has its own start-up limit: engine/process.py STARTUP_TIMEOUT_S)
 WARMUP_TIMEOUT_S = 600.0
 
 
@@ -126,7 +127,7 @@ def warmup_and_announce(state: ServerState) -> None:
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
-    deadline = time.time() + STARTUP_TIMEOUT_S
+    deadline = time.time() + SOCKET_READY_TIMEOUT_S
     while True:
         try:
             req = urllib.request.Request(url + "/get_model_info", headers=headers)

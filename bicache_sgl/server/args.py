@@ -26,15 +26,16 @@ from bicache_sgl.attention import ALIASES as ATTENTION_ALIASES
 from bicache_sgl.attention import available_backends
 from bicache_sgl.config import (
     ALGORITHMS,
+    DEFAULT_MAX_N,
     REMASKING,
     DecodeDefaults,
     EngineConfig,
     canonical_algorithm,
+    check,
     is_int,
     parse_context_length,
 )
 from bicache_sgl.flags import add_flags, flag_fields, flag_values, option
-from bicache_sgl.server.protocol import DEFAULT_MAX_N
 
 __all__ = ["LOG_LEVELS", "ServerArgs", "build_parser", "parse_args", "parse_context_length", "redact_unknown",
            "split_router_flags"]
@@ -106,17 +107,17 @@ class ServerArgs(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(is_int(self.port) and 0 <= self.port < 1 << 16, f"port must be in [0, 65535], got {self.port!r}")
-        _check(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        check(is_int(self.port) and 0 <= self.port < 1 << 16, f"port must be in [0, 65535], got {self.port!r}")
+        check(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for name, lo in (("max_request_bytes", 1), ("max_batch_size", 1), ("max_n", 1), ("steps", 1),
                          ("dp_size", 1), ("dp_max_restarts", 0)):
             v = getattr(self, name)
-            _check((v is None and name == "steps") or (is_int(v) and v >= lo), f"{name} must be >= {lo}, got {v!r}")
-        _check(isinstance(self.graceful_shutdown_timeout, (int, float))
-               and 0 <= self.graceful_shutdown_timeout < float("inf"),
-               f"graceful_shutdown_timeout must be a number of seconds >= 0, got {self.graceful_shutdown_timeout!r}")
-        _check(self.router_policy in ROUTER_POLICIES,
-               f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
+            check((v is None and name == "steps") or (is_int(v) and v >= lo), f"{name} must be >= {lo}, got {v!r}")
+        check(isinstance(self.graceful_shutdown_timeout, (int, float))
+              and 0 <= self.graceful_shutdown_timeout < float("inf"),
+              f"graceful_shutdown_timeout must be a number of seconds >= 0, got {self.graceful_shutdown_timeout!r}")
+        check(self.router_policy in ROUTER_POLICIES,
+              f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
 
     @property
     def url(self) -> str:
@@ -176,11 +177,6 @@ def default_served_model_name(model_path: str) -> str:
     if p.parent == assets and p.name in BUNDLED_NAMES:
         return BUNDLED_NAMES[p.name]
     return model_path
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _resolved_template(spec: str | None) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from bicache_sgl.config import SamplingParams, is_int
+from bicache_sgl.config import DEFAULT_MAX_N, SamplingParams, is_int
 from bicache_sgl.io_struct import GenerateRequest
 from bicache_sgl.server.fields import FieldError, check_generate_body
 
@@ -88,7 +88,6 @@ def check_text(t: Any, what: str = "text") -> str:
     return t
 
 
-DEFAULT_MAX_N = 256
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
