@@ -13,7 +13,7 @@ stop conditions, logprobs and text are ``decoding.sampling``, ``decoding.stop``,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -146,22 +146,25 @@ class Req:
         """Private K/V positions (all layers) this request holds while it runs: its memory cost."""
         return sum(self.kv_lengths())
 
-    def allocate(self, alloc: Callable[[int], SeqKV]) -> None:
-        """Allocate the private K/V buffers listed by :meth:`kv_lengths`."""
-        self.kv = alloc(self.kv_lengths()[0])
+    def attach_kv(self, kvs: Sequence[SeqKV]) -> None:
+        """Take the private K/V buffers :meth:`kv_lengths` lists, in that order (the scheduler
+        allocates them from the pool at admission)."""
+        it = iter(kvs)
+        self.kv = next(it)
         if self.kind == "generate" and self.params.cfg_scale > 0:
             x_un = self.x.clone()
             x_un[:self.prompt_len] = self.mask_id
-            self.uncond = (x_un, alloc(self.seq_len))
+            self.uncond = (x_un, next(it))
         if self.needs_score:
-            self.score_kv = alloc(self.prompt_len)
+            self.score_kv = next(it)
 
-    def free_buffers(self, free: Callable[[SeqKV], None]) -> None:
-        """Give every private K/V buffer back (``free``: the pool's)."""
-        for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv, self.audit_kv):
-            if kv is not None:
-                free(kv)
+    def detach_kv(self) -> list[SeqKV]:
+        """Every private K/V buffer this request holds (the audit shadow too), now let go: the
+        scheduler gives them back to the pool."""
+        kvs = [kv for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv, self.audit_kv)
+               if kv is not None]
         self.kv = self.uncond = self.score_kv = self.audit_kv = None
+        return kvs
 
     # ---------------------------------------------------------------------------------- planning
     @property
