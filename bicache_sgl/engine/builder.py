@@ -51,9 +51,10 @@ def plan_for(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: tor
     on ``device`` under ``cfg``'s flags (kv_cache/memory.py); the request budget is capped at twice
     the running requests' context. The one sizing call: every stack, and the self-test's memory
     rows (``free_bytes``: CUDA's free memory once the weights are loaded; read now when None)."""
+    max_positions = 2 * cfg.max_running_requests * context_length_of(cfg, mc)
     return plan_memory(mc, dtype, device, max_depth, max_prefix_cache_tokens=cfg.max_prefix_cache_tokens,
                        max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static,
-                       free_bytes=free_bytes, max_positions=2 * cfg.max_running_requests * context_length_of(cfg, mc))
+                       free_bytes=free_bytes, max_positions=max_positions)
 
 
 @dataclass(frozen=True)
