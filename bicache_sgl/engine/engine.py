@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.tokenize import TextEncoder
@@ -51,6 +53,9 @@ def build_config(config: EngineConfig | None = None, **kwargs: Any) -> EngineCon
 class Engine:
     """Offline engine in the shape of SGLang's ``sgl.Engine``; also the server's backend
     (it implements ``bicache_sgl.engine.interface.EngineClient``)."""
+
+    in_process = True
+    submit_returns_at_once = False  # submit takes the engine's lock, which a step may hold
 
     def __init__(self, model_path: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if model_path is not None:
@@ -375,6 +380,15 @@ class Engine:
         if not self.has_work():
             rows = self.runner.pool.request_rows
             assert rows.num_free == rows.capacity, f"request rows leaked: {rows.capacity - rows.num_free}"
+
+    def attach_loop(self, loop: Any) -> bool:
+        return False  # events are delivered on the engine thread
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """An engine in this process does not die apart from the server: nothing to watch."""
+
+    def describe(self) -> str:
+        return f"engine in the server process, {torch.get_num_threads()} torch threads"
 
     def __enter__(self) -> "Engine":
         return self

@@ -498,6 +498,19 @@ class EngineProcessClient:
             reply.error = EngineDeadError(message)
             reply.done.set()
 
+    # ------------------------------------------------------------------------- EngineClient extras
+    in_process = False
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """``on_failure(message)`` once when the engine process dies (now, if it already has)."""
+        self.on_failure = on_failure
+        if not self.alive:
+            on_failure(self._dead or "the engine process exited during startup")
+
+    def describe(self) -> str:
+        return (f"engine process pid {self.pid} with {self.num_threads} torch threads; "
+                "server process: 1")
+
     # --------------------------------------------------------------------------------- shutdown
     @property
     def alive(self) -> bool:
