@@ -205,9 +205,8 @@ class KVPool:
         return SeqKV(rows.reshape(self.n_layers, n_positions))
 
     def alloc_request(self, n_positions: int) -> SeqKV:
-        """A running request's private rows for one sequence of ``n_positions``, all layers. The
-        scheduler's admission budget guarantees room for admitted requests' buffers, so running
-        out here is a bug (raised), unlike :meth:`alloc_seq`'s None."""
+        """:meth:`alloc_seq` for an admitted request: the admission budget guarantees room, so
+        running out is a bug (raised, not None)."""
         kv = self.alloc_seq(n_positions)
         if kv is None:
             raise RuntimeError(f"request K/V rows exhausted ({n_positions} positions asked)")
