@@ -199,8 +199,8 @@ class Scheduler:
             parts, i = logits[i:i + n], i + n
             if req.finished:  # failed while planning: its works were not in the batch
                 continue
-            if req.cache.capture is not None:  # its first forward just wrote the capture
-                self.cache.commit(req.prompt_ids, req.cache, req.capture_len)
+            if req.grant.capture is not None:  # its first forward just wrote the capture
+                self.cache.commit(req.prompt_ids, req.grant, req.capture_len)
             try:
                 block_done = req.apply(parts, self.n_layers, decisions.get(id(req)))
             except Exception as e:
@@ -246,13 +246,13 @@ class Scheduler:
             self.running.append(req)
             try:
                 req.attach_kv(self._alloc_kv(req.kv_lengths()))
-                req.cache = self.cache.admit(req.prompt_ids, req.facts())
-                if req.choice.audit and req.kind == "generate":
+                req.grant = self.cache.admit(req.prompt_ids, req.facts())
+                if req.choice.audit and req.generates:
                     req.audit_kv = self.pool.alloc_seq(req.seq_len)  # outside the budget
                     req.auditing = req.audit_kv is not None
                     if not req.auditing:  # no room for the shadow: this request reuses nothing
-                        req.cache.plan = req.choice.without_reuse()
-                self.cache.share(req.cache, req.kv)
+                        req.grant.plan = req.choice.without_reuse()
+                self.cache.share(req.grant, req.kv)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
@@ -284,7 +284,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.admission.finished(req)
-        self.cache.release(req.cache)
+        self.cache.release(req.grant)
         for kv in req.detach_kv():
             self.pool.free_seq(kv)
         if req.internal:
@@ -306,7 +306,7 @@ class Scheduler:
         if not (self.cache_output and self.cache.enabled and self.cache.policy.max_node_depth > 0):
             return
         reason = (req.finish_reason or {}).get("type")
-        if req.kind != "generate" or reason not in ("stop", "length") or not req.out_ids:
+        if not req.generates or reason not in ("stop", "length") or not req.out_ids:
             return
         ids = req.prompt + [t for t in req.out_ids if t != req.mask_id]
         if len(ids) > self.context_length:
