@@ -4,7 +4,7 @@ A thin front end of the one measurement driver (``bicache_sgl.calibration.driver
 first-run profile (``bicache_sgl.calibration.auto``) is the other. This module sits above the
 engine: it loads the model once (``bicache_sgl.engine.model_runner.load``) and, for the
 ``agreement`` criterion, builds a measurement stack on that same model
-(``bicache_sgl.engine.stack.measurement_stack``); the measurement code in
+(``bicache_sgl.engine.engine.measurement_stack``); the measurement code in
 ``bicache_sgl.calibration`` sits below the engine. The names scripts import from here
 (``Sample``, ``kv_cosine_profile``, ...) are re-exported.
 
@@ -251,9 +251,8 @@ def _log_pair_placement(samples: Sequence[Sample], fractions: Sequence[float], t
 
 def _driver(args: argparse.Namespace, model_path: str, items: Sequence[Item]) -> Driver:
     """Load the model ONCE; for the agreement criterion, a measurement stack on that same model."""
-    from .engine.engine import build_config
+    from .engine.engine import build_config, measurement_stack
     from .engine.model_runner import load
-    from .engine.stack import measurement_stack
 
     cfg = build_config(model_path=model_path, device=args.device, dtype=args.dtype, block_length=args.block_length,
                        threshold=args.decode_threshold or None, cache_mode=args.cache_mode,

@@ -77,20 +77,12 @@ def serve(args: ServerArgs, engine: EngineClient | None = None) -> None:
             raise SystemExit(1) from None
     import torch
 
-    from bicache_sgl.engine.process import EngineProcessClient
-
     app = create_app(engine, args)
     state = app.state.server
-    if isinstance(engine, EngineProcessClient):
+    if not engine.in_process:
         torch.set_num_threads(1)  # this process parses, tokenizes and encodes; the other cores are the engine's
-        engine.on_failure = state.engine_failed  # /health answers 503 once the engine process is gone
-        if not engine.alive:
-            state.engine_failed("the engine process exited during startup")
-        logger.info("model loaded: %s (engine process pid %d with %d torch threads; server process: 1)",
-                    engine.model_path, engine.pid, engine.num_threads)
-    else:
-        logger.info("model loaded: %s (engine in the server process, %d torch threads)", engine.model_path,
-                    torch.get_num_threads())
+    engine.watch(state.engine_failed)  # /health answers 503 once an engine process is gone
+    logger.info("model loaded: %s (%s)", engine.model_path, engine.describe())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, log_config=None)

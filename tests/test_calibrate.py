@@ -210,9 +210,8 @@ def test_agreement_loads_the_weights_once_and_measures_on_them(tiny_llada, promp
     import logging
 
     from bicache_sgl.calibration.driver import Driver
-    from bicache_sgl.engine.engine import build_config
+    from bicache_sgl.engine.engine import build_config, measurement_stack
     from bicache_sgl.engine.model_runner import load
-    from bicache_sgl.engine.stack import measurement_stack
     from bicache_sgl.models import loader
     reads, real = [], loader.load_state_dict  # counted; the real loader still reads the checkpoint
     monkeypatch.setattr(loader, "load_state_dict", lambda path, *a, **kw: reads.append(path) or real(path, *a, **kw))

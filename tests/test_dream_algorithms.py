@@ -122,8 +122,7 @@ def run_req(model, cfg, tok, prompt: list[int], params: SamplingParams, decode: 
 
 def drive(model, cfg, req: Req) -> tuple[list[int], Req]:
     store, kvs = KVStore.for_sequences(cfg, req.kv_lengths(), torch.float32, CPU)
-    it = iter(kvs)
-    req.allocate(lambda n: next(it))
+    req.attach_kv(kvs)
     attn = create_backend("torch", CPU)
     while not req.finished:
         works = req.plan_step(cfg.n_layers)

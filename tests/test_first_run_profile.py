@@ -162,7 +162,7 @@ def test_first_run_calibration_loads_the_weights_once(planted, monkeypatch):
         assert _counts()["calibrations"] == before["calibrations"] + 1  # it did calibrate, cold
         assert eng.profile is not None and sum(map(sum, eng.profile.extra["samples_first_step"].values())) > 0
         assert reads == [str(planted)], reads  # one read of the weights: serving and calibration share them
-        assert eng.stack.model is eng.model is eng.runner.model
+        assert eng.model is eng.runner.model
     finally:
         eng.shutdown()
 

@@ -33,7 +33,8 @@ def app_routes() -> list[tuple[str, str]]:
     from bicache_sgl.server.app import create_app
     from bicache_sgl.server.args import ServerArgs
 
-    stub = SimpleNamespace(tokenizer=None, model_path="m", context_length=CONTEXT, model_config=None)
+    stub = SimpleNamespace(tokenizer=None, model_path="m", context_length=CONTEXT, model_config=None,
+                           submit_returns_at_once=False)
     app = create_app(stub, ServerArgs())
     out = set()
     for r in app.routes:

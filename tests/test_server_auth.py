@@ -158,7 +158,8 @@ def test_route_levels_read_from_the_app():
     from bicache_sgl.server.args import ServerArgs
     from bicache_sgl.server.auth import AuthLevel, route_levels
 
-    stub = SimpleNamespace(tokenizer=None, model_path="m", context_length=64, model_config=None)
+    stub = SimpleNamespace(tokenizer=None, model_path="m", context_length=64, model_config=None,
+                           submit_returns_at_once=False)
     levels = route_levels(create_app(stub, ServerArgs()).routes)
     admin = {p for p, lv in levels.items() if lv is AuthLevel.ADMIN_OPTIONAL}
     assert admin == {"/abort_request", "/flush_cache", "/start_profile", "/stop_profile"}

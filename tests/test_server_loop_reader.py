@@ -63,9 +63,9 @@ def test_events_arrive_on_the_loop_thread_and_round_trips_still_answer(loop_kind
     try:
         async def run():
             assert client.attach_loop(asyncio.get_running_loop())
-            assert client._receiver is None  # the receiver thread handed over and ended
+            assert client._chan._receiver is None  # the receiver thread handed over and ended
             # whole-message blocking reads and writes on the pipe (uvloop's poll makes it non-blocking)
-            assert os.get_blocking(client._conn.fileno())
+            assert os.get_blocking(client._chan._conn.fileno())
             assert not client.attach_loop(asyncio.get_running_loop())  # once only
             events, threads = await _generate(client, _request(client))
             assert threads == {threading.get_ident()}
@@ -84,7 +84,7 @@ def test_events_arrive_on_the_loop_thread_and_round_trips_still_answer(loop_kind
             assert [e[2] for e in entries] == [client.tokenizer.decode([e[1]]) for e in entries]
             # shutdown while the loop runs: the engine's goodbye is read, the pipe closed
             await asyncio.to_thread(client.shutdown)
-            assert not client.alive and client._conn.closed
+            assert not client.alive and client._chan._conn.closed
         _run(run, loop_kind)
     finally:
         client.shutdown()
@@ -127,7 +127,8 @@ def test_generation_routes_come_first_as_plain_starlette_routes():
 
     from fastapi.routing import APIRoute
 
-    stub = SimpleNamespace(tokenizer=None, model_path="m", context_length=64, model_config=None)
+    stub = SimpleNamespace(tokenizer=None, model_path="m", context_length=64, model_config=None,
+                           submit_returns_at_once=False)
     routes = create_app(stub, ServerArgs()).routes
     assert [r.path for r in routes[:len(GENERATION_PATHS)]] == list(GENERATION_PATHS)
     assert not any(isinstance(r, APIRoute) for r in routes[:len(GENERATION_PATHS)])

@@ -404,18 +404,36 @@ def test_server_modules_have_no_import_circle():
 
 
 def test_no_engine_probing_in_the_server():
-    """The server uses the typed EngineClient interface, never getattr on the engine."""
+    """The server uses the typed EngineClient interface: never getattr on the engine, never a test
+    of the engine's class (what differs between engines is in the protocol)."""
     for f in [*SERVER_DIR.glob("*.py"), SERVER_DIR.parent / "launch_server.py"]:
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr"):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "isinstance"):
                 target = ast.unparse(node.args[0])
                 assert "engine" not in target and target != "ev", (f.name, ast.unparse(node))
+
+
+def test_every_engine_client_has_what_the_server_uses():
+    """The in-process engine, the engine-process client and the block-diffusion client all carry
+    the members the server reads from the EngineClient protocol."""
+    from bicache_sgl.blockdiff.client import BlockEngineClient
+    from bicache_sgl.engine.engine import Engine
+    from bicache_sgl.engine.interface import EngineClient
+    from bicache_sgl.engine.process import EngineProcessClient
+
+    members = [n for n in dir(EngineClient) if not n.startswith("_")] + list(EngineClient.__annotations__)
+    for cls in (Engine, EngineProcessClient, BlockEngineClient):
+        for name in ("in_process", "submit_returns_at_once", "attach_loop", "watch", "describe", "submit_many",
+                     "abort", "abort_all", "flush_cache", "get_stats", "shutdown"):
+            assert name in members, name
+            assert hasattr(cls, name), (cls.__name__, name)
 
 
 class StubEngine:
     """Just enough of EngineClient to build the app and answer the routes that need no model."""
 
     model_path = "stub-model"
+    submit_returns_at_once = False
     context_length = 64
     tokenizer = None
     model_config = None

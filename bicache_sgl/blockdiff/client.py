@@ -112,6 +112,7 @@ class BlockEngineClient:
     """EngineClient over a BlockEngine on a thread of this process (module docstring)."""
 
     submit_returns_at_once = False
+    in_process = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -238,6 +239,15 @@ class BlockEngineClient:
         self._thread.join(timeout)
 
     # ---- validation -----------------------------------------------------------------------------
+    def attach_loop(self, loop: Any) -> bool:
+        return False  # events are delivered on the block engine's thread
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """The block engine runs in this process: it does not die apart from the server."""
+
+    def describe(self) -> str:
+        return f"block-diffusion engine in the server process, {torch.get_num_threads()} torch threads"
+
     def _validate(self, greq: GenerateRequest, on_event: Callable | None) -> _Live:
         cfg = self.model_config
         fam = cfg.family

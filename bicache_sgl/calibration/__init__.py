@@ -22,7 +22,7 @@ table at r never exceeds a bucket measured at or above r. See docs/calibration.m
 Layering: this package sits BELOW the engine (the engine calls ``auto.resolve_profile`` at
 start-up) and never imports ``bicache_sgl.engine``: the agreement meter runs requests on a
 measurement stack that its caller builds on the already loaded model (duck-typed,
-``driver.MeasureStack``; ``bicache_sgl.engine.stack.measurement_stack`` builds one), so the weights
+``driver.MeasureStack``; ``bicache_sgl.engine.engine.measurement_stack`` builds one), so the weights
 are loaded once. The command line is ``bicache_sgl/calibrate.py``, above the engine.
 ``bicache_sgl.bicache`` (profile, policy) sits below this package and never imports it.
 

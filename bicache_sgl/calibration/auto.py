@@ -79,7 +79,7 @@ def resolve_profile(cfg, loaded, measure_stack: Callable[..., MeasureStack] | No
     ``context_length``); ``loaded``: the loaded model (``model``, ``model_config``, ``model_path``,
     ``tokenizer``, ``device``, ``dtype``); ``measure_stack(max_running=, max_prefix_cache_tokens=,
     max_total_tokens=)``: builds the calibration's ``naive`` measurement stack on that same loaded
-    model (``bicache_sgl.engine.stack.measurement_stack``); it may raise ``MemoryError``.
+    model (``bicache_sgl.engine.engine.measurement_stack``); it may raise ``MemoryError``.
 
     ``None`` (default): the profile beside the model, else ``auto`` in bicache mode. ``"none"``:
     no profile. ``"auto"``: the cached first-run profile, else calibrate now. Anything else: that

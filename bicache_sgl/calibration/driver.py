@@ -5,7 +5,7 @@ Two thin front ends use it: the command line (``bicache_sgl/calibrate.py``: ever
 criterion's meters, JSON + plot) and the first-run profile (``auto``: stages under a wall-clock
 budget, a cache on disk). Neither loads weights: both hand over the model their caller loaded,
 and for the agreement meter a measurement stack built on that same model by the engine layer
-(``bicache_sgl.engine.stack.measurement_stack``; duck-typed here as ``MeasureStack``, since this
+(``bicache_sgl.engine.engine.measurement_stack``; duck-typed here as ``MeasureStack``, since this
 package sits below the engine).
 """
 
@@ -36,7 +36,7 @@ class Item:
 
 
 class MeasureStack(Protocol):
-    """What the agreement meter runs requests on (``bicache_sgl.engine.stack.Stack`` is one): a
+    """What the agreement meter runs requests on (``bicache_sgl.engine.engine.Engine`` is one): a
     ``naive`` prefix cache on the loaded model, stepped on the caller's thread."""
 
     model: Any
@@ -44,7 +44,7 @@ class MeasureStack(Protocol):
 
     def flush(self) -> None: ...
 
-    def run(self, greqs: Sequence[Any]) -> list[Any]: ...
+    def run_sync(self, greqs: Sequence[Any]) -> list[Any]: ...
 
 
 def items_for(samples: Sequence[Sample], tasks: Sequence[Task], group: str, cached_context: str) -> list[Item]:

@@ -103,7 +103,7 @@ class AgreementMeter:
     ``run(greqs)``, which runs the requests to completion, queued together so that one admission
     round sees them all (in arrival order, no prefix-aware deferral: every one of them must match
     exactly S and nothing a sibling inserted), and returns each one's final event (``error``,
-    ``output_ids``, ``meta_info``). ``bicache_sgl.engine.stack.measurement_stack`` builds one on
+    ``output_ids``, ``meta_info``). ``bicache_sgl.engine.engine.measurement_stack`` builds one on
     the already loaded model."""
 
     def __init__(self, stack, gen_length: int) -> None:
@@ -112,7 +112,7 @@ class AgreementMeter:
         self.gen_length = gen_length
 
     def _run(self, greqs) -> list:
-        results = self.stack.run(greqs)
+        results = self.stack.run_sync(greqs)
         for ev in results:
             if ev.error:
                 raise RuntimeError(f"calibration request failed: {ev.error}")

@@ -20,15 +20,13 @@ from typing import Any
 
 import torch
 
-from ..bicache.policy import make_policy, uses_profile
-from ..calibration.auto import resolve_profile
-from ..config import DEFAULT_PROBATION, DecodeDefaults, EngineConfig, SamplingParams
+from ..config import DecodeDefaults, EngineConfig, SamplingParams
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.tokenize import TextEncoder
 from ..scheduler.request import Req
 from ..scheduler.validate import ValidRequest
-from .model_runner import load
-from .stack import build_stack, context_length_of, measurement_stack
+from .builder import EngineParts, build_parts, measurement_parts
+from .model_runner import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +54,32 @@ class Engine:
     """Offline engine in the shape of SGLang's ``sgl.Engine``; also the server's backend
     (it implements ``bicache_sgl.engine.interface.EngineClient``)."""
 
+    in_process = True
+    submit_returns_at_once = False  # submit takes the engine's lock, which a step may hold
+
     def __init__(self, model_path: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if model_path is not None:
             kwargs["model_path"] = model_path
-        self.config = cfg = build_config(config, **kwargs)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        loaded = load(cfg)
-        self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
-        self._encode = TextEncoder(self.tokenizer)
-        self.eos_ids, self.device = loaded.eos_ids, loaded.device
-        mc = self.model_config
-        self.context_length = context_length_of(cfg, loaded.model_config)
-        # a file, or ("auto": the default without one beside the model) calibrated now on this very
-        # model through a measurement stack (no second copy of the weights), cached on disk
-        # (bicache_sgl/calibration/auto.py)
-        self.profile = resolve_profile(cfg, loaded, lambda **sizes: measurement_stack(cfg, loaded, **sizes))
-        probation = cfg.bicache_audit_probation
-        if probation is None:  # a first-run profile was measured on synthesised prompts: trust is earned
-            probation = DEFAULT_PROBATION if self.profile is not None and "auto" in self.profile.extra else 0
-        self.policy = make_policy(cfg.prefix_cache, mc.n_layers, self.profile, audit_rate=cfg.bicache_audit_rate,
-                                  audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.seed,
-                                  probation=probation)
-        self.audit = self.policy.audit
-        if uses_profile(cfg.prefix_cache) and self.profile is None:
-            log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
-                        "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
-                        "bicache_sgl.calibrate to make one.", self.model_path)
-        self.stack = build_stack(cfg, loaded, self.policy, audit=self.audit)
-        self.memory, self.cache, self.runner = self.stack.memory, self.stack.cache, self.stack.runner
-        self.requests, self.scheduler, self.model = self.stack.requests, self.stack.scheduler, loaded.model
+        self._adopt(build_parts(build_config(config, **kwargs), measure=measurement_stack))
         log.info("prefix cache: %s; %s", self.policy.describe(), self.memory.describe())
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts) -> "Engine":
+        """An engine over parts already built (``builder.measurement_parts``: a calibration's)."""
+        eng = cls.__new__(cls)
+        eng._adopt(parts)
+        return eng
+
+    def _adopt(self, parts: EngineParts) -> None:
+        self.config, loaded = parts.config, parts.loaded
+        self.model_path, self.model_config, self.tokenizer = loaded.model_path, loaded.model_config, loaded.tokenizer
+        self.model, self.eos_ids, self.device = loaded.model, loaded.eos_ids, loaded.device
+        self._encode = TextEncoder(self.tokenizer)
+        self.context_length, self.profile, self.policy, self.audit = (parts.context_length, parts.profile,
+                                                                      parts.policy, parts.audit)
+        self.memory, self.pool, self.cache, self.runner = parts.memory, parts.pool, parts.cache, parts.runner
+        self.requests, self.scheduler = parts.requests, parts.scheduler
+        self._seed = self.config.seed  # the per-request seed counter (``_seed_request``)
         self._inbox: list[Req] = []
         self._aborts: set[str] = set()
         self._flushes: list[threading.Event] = []
@@ -96,6 +89,10 @@ class Engine:
         self._stop = False
         self._atexit_registered = False
         self.last_step_time = time.time()
+
+    @property
+    def n_layers(self) -> int:
+        return self.model_config.n_layers
 
     # --------------------------------------------------------------------------------- requests
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
@@ -117,7 +114,7 @@ class Engine:
             if clash is not None:
                 raise ValueError(f"request id {clash!r} is already in use")
             for req in reqs:
-                self.stack.seed_request(req)  # under the lock: submitters' threads share the counter
+                self._seed_request(req)  # under the lock: submitters' threads share the counter
                 self._by_rid[req.rid] = req
                 self._inbox.append(req)
             self._cv.notify_all()
@@ -125,20 +122,29 @@ class Engine:
             self.start()
         return rids
 
+    def _seed_request(self, req: Req) -> None:
+        """Every queued request advances the seed counter; one without ``sampling_params.seed``
+        samples from the counter's value (so its seed depends only on its place in the arrivals)."""
+        self._seed += 1
+        if req.params.seed is None:
+            req.reseed(self._seed)
+
     def run_sync(self, greqs: Sequence[GenerateRequest]) -> list[RequestEvent]:
-        """Run requests to completion on the calling thread, one ``step`` after another, and return
-        each one's final event (for profilers and tools that must see the steps on their own
-        thread). The engine thread must not be running."""
+        """The one run-to-completion loop: run requests (queued together: one admission round sees
+        them all) on the calling thread, one ``step`` after another, and return each one's final
+        event (for profilers, tools and a calibration's measurement engine, which must see the
+        steps on their own thread). The engine thread must not be running."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("run_sync needs an engine whose thread is not running")
-        final: dict[int, RequestEvent] = {}
-
-        def keep(i: int) -> Callable[[RequestEvent], None]:
-            return lambda ev: final.__setitem__(i, ev) if ev.finished else None
-        self.submit_many(greqs, [keep(i) for i in range(len(greqs))], start=False)
+        rids = self.submit_many(greqs, [None] * len(greqs), start=False)
+        reqs = [self._by_rid[rid] for rid in rids]
         while self._inbox or self._flushes or self.has_work():
-            self.step()
-        return [final[i] for i in range(len(greqs))]
+            if not self.step() and self.scheduler.waiting and not self._inbox:
+                # nothing runs and nothing can be admitted
+                raise RuntimeError(f"{len(self.scheduler.waiting)} request(s) do not fit this engine's K/V budget "
+                                   f"({self.scheduler.admission.kv_budget} positions)")
+        # every request has finished (a failure, at admission too, finishes it with its error)
+        return [r.event() for r in reqs]
 
     def abort(self, rid: str) -> None:
         with self._cv:
@@ -207,12 +213,22 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> bool:
-        """One step: schedule, run ONE batched forward for all running requests, postprocess;
-        then emit the events (blocks that became final, finished requests)."""
+        """One step: take in what was submitted, aborted or flushed; ``scheduler.schedule()``
+        (admit, every running request plans its sequences), ONE batched forward for all of them
+        (``runner.forward``), ``scheduler.postprocess``; then emit the events (blocks that became
+        final, finished requests). A failed forward ends every request of the batch with the
+        error. False when nothing was running (no forward)."""
         self._drain_inbox()
-        emit = self.stack.step()
-        if emit is None:
+        batch = self.scheduler.schedule()
+        if not self.scheduler.running:
             return False
+        try:
+            logits = self.runner.forward(batch.works)
+        except Exception as e:
+            log.exception("batched forward failed")
+            emit = self.scheduler.fail_batch(batch, e)
+        else:
+            emit = self.scheduler.postprocess(batch, logits)
         self._emit_all(emit)
         self.last_step_time = time.time()
         return True
@@ -331,6 +347,11 @@ class Engine:
         self.start()
         return done.wait(timeout)
 
+    def flush(self) -> None:
+        """Drop every cached prefix now, on the calling thread (an engine nobody else steps, with
+        no request running: a calibration's measurement engine)."""
+        self.cache.flush()
+
     @property
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats
@@ -360,8 +381,28 @@ class Engine:
             rows = self.runner.pool.request_rows
             assert rows.num_free == rows.capacity, f"request rows leaked: {rows.capacity - rows.num_free}"
 
+    def attach_loop(self, loop: Any) -> bool:
+        return False  # events are delivered on the engine thread
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """An engine in this process does not die apart from the server: nothing to watch."""
+
+    def describe(self) -> str:
+        return f"engine in the server process, {torch.get_num_threads()} torch threads"
+
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def measurement_stack(cfg: EngineConfig, loaded: LoadedModel, *, max_running: int, max_prefix_cache_tokens: int,
+                      max_total_tokens: int | None = None) -> Engine:
+    """A calibration's measurement engine on the already loaded model (``builder.measurement_parts``:
+    a ``naive`` cache, no audit, arrival-order admission), stepped on the caller's thread with
+    ``run_sync`` (``bicache_sgl.calibration.driver.MeasureStack``). Raises ``MemoryError`` on CUDA
+    when its pool and request K/V do not fit the free memory."""
+    return Engine.from_parts(measurement_parts(cfg, loaded, max_running=max_running,
+                                               max_prefix_cache_tokens=max_prefix_cache_tokens,
+                                               max_total_tokens=max_total_tokens))

@@ -6,6 +6,7 @@ engine in another process implements the same methods.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,12 @@ class EngineClient(Protocol):
     context_length: int  # max prompt + generation region, in tokens
     tokenizer: Any  # a transformers tokenizer (encode / decode / chat template)
     eos_ids: tuple[int, ...]
+    # the engine computes in this process; False: in a child process (the server process then keeps
+    # one torch thread and leaves the other cores to the engine)
+    in_process: bool
+    # ``submit`` never waits on the engine (a pure validation and a one-way send): the server may
+    # submit on its event loop instead of a worker thread
+    submit_returns_at_once: bool
 
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:
         """Validate (once: ``bicache_sgl.scheduler.validate``) and queue one request; returns its
@@ -50,3 +57,14 @@ class EngineClient(Protocol):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine; requests in flight finish with an abort."""
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Deliver events on ``loop`` from now on (called on the loop's thread at application
+        startup); False when this engine delivers them on its own thread instead."""
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call ``on_failure(message)`` once when the engine dies apart from the server (at once if
+        it already has); an engine that cannot (in this process) never calls it."""
+
+    def describe(self) -> str:
+        """Where the engine runs, for the server's "model loaded" line."""

@@ -204,6 +204,14 @@ class KVPool:
         # second ``owned`` grid is kept
         return SeqKV(rows.reshape(self.n_layers, n_positions))
 
+    def alloc_request(self, n_positions: int) -> SeqKV:
+        """:meth:`alloc_seq` for an admitted request: the admission budget guarantees room, so
+        running out is a bug (raised, not None)."""
+        kv = self.alloc_seq(n_positions)
+        if kv is None:
+            raise RuntimeError(f"request K/V rows exhausted ({n_positions} positions asked)")
+        return kv
+
     def _private_mask(self, kv: SeqKV) -> np.ndarray:
         """[L, N] True where ``kv.rows`` is still a private row (outside every reused rectangle)."""
         mine = np.ones(kv.rows.shape, dtype=bool)

@@ -13,7 +13,7 @@ stop conditions, logprobs and text are ``decoding.sampling``, ``decoding.stop``,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,8 +40,9 @@ __all__ = ["MAX_DREAM_STEPS", "DecodePlan", "Req"]
 
 
 class Req:
-    """Engine-thread state of one request. Kinds: ``generate``; ``prefill`` (max_new_tokens 0:
-    one forward that fills the prefix cache); ``score`` (prefill with input logprobs)."""
+    """Engine-thread state of one request: a sequence being denoised (``generates``), or a
+    prefill-only request (max_new_tokens 0: one forward that fills the prefix cache, with input
+    logprobs when asked for: a score)."""
 
     def __init__(self, greq: GenerateRequest, plan: DecodePlan, *, mask_id: int, eos_ids: tuple[int, ...],
                  logit_shift: int, tokenizer: Any, on_event: Callable[[RequestEvent], None] | None, seed: int,
@@ -55,13 +56,11 @@ class Req:
         self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
         self.prompt_ids.flags.writeable = False  # the cache's capture contexts may keep it
         self.mask_id, self.shift, self.on_event = mask_id, logit_shift, on_event
-        if plan.gen_len == 0:
-            self.kind = "score" if greq.return_logprob else "prefill"
-        else:
-            self.kind = "generate"
+        self.generates = plan.gen_len > 0  # else prefill-only: one forward, no output
         self.internal = False  # the engine's own work (an output capture): no events, not in the stats
         self.created = time.perf_counter()
-        self.needs_score = self.kind == "score" or (greq.return_logprob and greq.logprob_start_len >= 0)
+        # input logprobs: a prefill-only request with logprobs is a score, whatever its start
+        self.needs_score = greq.return_logprob and (not self.generates or greq.logprob_start_len >= 0)
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else seed)
         # how it decodes: the family's schedule, the logits a decision is made on, where the output
         # ends, its logprobs; structured generation (docs/structured.md): the compiled constraint
@@ -79,7 +78,7 @@ class Req:
         self.kv: SeqKV | None = None
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None  # classifier-free guidance: (tokens, K/V)
         self.score_kv: SeqKV | None = None  # the input-logprob probe
-        self.cache = CacheGrant()
+        self.grant = CacheGrant()  # the cache manager's grant at admission: reuse plan, locks, capture
         # online audit: a no-reuse shadow of the first forward (transient, not in kv_lengths)
         self.audit_kv: SeqKV | None = None
         self.auditing = False  # the next forward carries the audit shadow
@@ -120,12 +119,12 @@ class Req:
     @property
     def choice(self) -> ReusePlan:
         """What this request reuses (the planner's decision; no reuse once served exact)."""
-        return self.cache.plan
+        return self.grant.plan
 
     @property
     def capture_len(self) -> int:
         """Positions of the forward that captures this request's prefix state (its context)."""
-        return self.seq_len if self.kind == "generate" else self.prompt_len
+        return self.seq_len if self.generates else self.prompt_len
 
     def facts(self) -> RequestFacts:
         """What the planner needs to know about this request."""
@@ -136,7 +135,7 @@ class Req:
     @property
     def exact(self) -> bool:
         """Likelihood scoring and prefill-only requests reuse no prefix state (exact results)."""
-        return self.kind != "generate"
+        return not self.generates
 
     def kv_lengths(self) -> list[int]:
         """Positions of each private K/V buffer this request needs: the sequence itself, its
@@ -149,22 +148,25 @@ class Req:
         """Private K/V positions (all layers) this request holds while it runs: its memory cost."""
         return sum(self.kv_lengths())
 
-    def allocate(self, alloc: Callable[[int], SeqKV]) -> None:
-        """Allocate the private K/V buffers listed by :meth:`kv_lengths`."""
-        self.kv = alloc(self.kv_lengths()[0])
-        if self.kind == "generate" and self.params.cfg_scale > 0:
+    def attach_kv(self, kvs: Sequence[SeqKV]) -> None:
+        """Take the private K/V buffers :meth:`kv_lengths` lists, in that order (the scheduler
+        allocates them from the pool at admission)."""
+        it = iter(kvs)
+        self.kv = next(it)
+        if self.generates and self.params.cfg_scale > 0:
             x_un = self.x.clone()
             x_un[:self.prompt_len] = self.mask_id
-            self.uncond = (x_un, alloc(self.seq_len))
+            self.uncond = (x_un, next(it))
         if self.needs_score:
-            self.score_kv = alloc(self.prompt_len)
+            self.score_kv = next(it)
 
-    def free_buffers(self, free: Callable[[SeqKV], None]) -> None:
-        """Give every private K/V buffer back (``free``: the pool's)."""
-        for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv, self.audit_kv):
-            if kv is not None:
-                free(kv)
+    def detach_kv(self) -> list[SeqKV]:
+        """Every private K/V buffer this request holds (the audit shadow too), now let go: the
+        scheduler gives them back to the pool."""
+        kvs = [kv for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv, self.audit_kv)
+               if kv is not None]
         self.kv = self.uncond = self.score_kv = self.audit_kv = None
+        return kvs
 
     # ---------------------------------------------------------------------------------- planning
     @property
@@ -176,7 +178,7 @@ class Req:
     def plan_step(self, n_layers: int) -> list[SeqWork]:
         """The sequences this request contributes to the next batched forward."""
         works: list[SeqWork] = []
-        if self.kind != "generate":
+        if not self.generates:
             works.append(self._prefill_work())
             if self.needs_score:
                 works.append(self._score_work())
@@ -190,7 +192,7 @@ class Req:
         # an audited forward captures from its exact shadow: stored rows are then this request's own
         # context whatever the audit finds
         own = self._own_work(positions, masked - self.shift, reuse=refresh,
-                             capture=None if self.auditing else self.cache.capture)
+                             capture=None if self.auditing else self.grant.capture)
         works.append(own)
         if self.uncond is not None:
             x_un, kv_un = self.uncond
@@ -199,7 +201,7 @@ class Req:
         if self.needs_score and self.forward_passes == 0:
             works.append(self._score_work())
         if self.auditing:  # first forward only: the same positions without reuse
-            works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift, capture=self.cache.capture))
+            works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift, capture=self.grant.capture))
         self._count(positions, own.depth, own.skip, n_layers)
         return works
 
@@ -210,12 +212,12 @@ class Req:
         plan = self.choice
         skip = plan.reused if reuse else 0
         return SeqWork(self.kv, self.x, positions, logit_positions, depth=plan.depth if reuse else 0, skip=skip,
-                       skip_from=plan.start, resume_rows=self.cache.resume_rows if skip else None, capture=capture)
+                       skip_from=plan.start, resume_rows=self.grant.resume_rows if skip else None, capture=capture)
 
     def _prefill_work(self) -> SeqWork:
         # the plan reuses nothing unless this is an output capture (facts(): exact otherwise)
         return self._own_work(np.arange(self.prompt_len, dtype=np.int64), np.zeros(0, dtype=np.int64), reuse=True,
-                              capture=self.cache.capture)
+                              capture=self.grant.capture)
 
     def _score_work(self) -> SeqWork:
         """Input likelihoods: the prompt with its scored positions masked together, on its own
@@ -239,7 +241,7 @@ class Req:
         server's default sampling). Its processed logits are then the forward's with the mask
         (and with ``ignore_eos`` the end ids) banned."""
         p = self.params
-        return (self.kind == "generate" and self.plan.spec.batch_greedy
+        return (self.generates and self.plan.spec.batch_greedy
                 and bool(self.plan.threshold) and p.temperature <= 0 and p.top_k <= 0 and p.top_p >= 1.0
                 and p.min_p <= 0 and not p.logit_bias and not self.logits_processor.penalized
                 and (p.ignore_eos or p.min_new_tokens <= 0) and self.structured is None
@@ -258,7 +260,7 @@ class Req:
         event should be emitted)."""
         if decision is not None:
             return self._transfer(None, decision)
-        if self.kind != "generate":
+        if not self.generates:
             self.forward_passes += 1
             self.tokens_computed += self.prompt_len
             self.computed_layer_tokens += self.prompt_len * n_layers
@@ -274,7 +276,7 @@ class Req:
             self.audit_pair = (plan.r, plan.depth, logits[0], logits[-1], plan.mode)
             logits = [logits[-1], *logits[1:-1]]
             self.kv, self.audit_kv = self.audit_kv, self.kv
-            self.cache.plan = plan.without_reuse()
+            self.grant.plan = plan.without_reuse()
             self.auditing, self.served_exact = False, True
         lg = logits[0]
         k = 1

@@ -31,6 +31,7 @@ from ..io_struct import GenerateRequest
 if TYPE_CHECKING:
     from ..bicache.audit import DepthAudit
     from ..kv_cache.manager import CacheManager
+    from ..kv_cache.pool import KVPool
     from ..kv_cache.store import SeqKV
     from ..models.forward_batch import SeqWork
     from .factory import RequestFactory
@@ -133,17 +134,15 @@ class Batch:
 
 
 class Scheduler:
-    """Owns waiting and running requests, the cache manager and the request factory (module
-    docstring). ``alloc`` / ``free`` give and take private K/V buffers within the admission budget;
-    ``alloc_shadow`` gives an audit shadow's buffer outside it (None when there is no room).
-    Not thread-safe: the engine drives it from its one step thread."""
+    """Owns waiting and running requests, the cache manager, the request factory and the pool
+    the requests' private K/V comes from (module docstring): admitted requests' buffers within the
+    admission budget (``KVPool.alloc_request``), an audit shadow's outside it (``alloc_seq``: None
+    when there is no room). Not thread-safe: the engine drives it from its one step thread."""
 
-    def __init__(self, admission: Admission, cache: CacheManager, requests: RequestFactory,
-                 alloc: Callable[[int], SeqKV], free: Callable[[SeqKV], None],
-                 alloc_shadow: Callable[[int], SeqKV | None], n_layers: int, *, audit: DepthAudit | None = None,
-                 cache_output: bool = False, context_length: int = 0) -> None:
-        self.admission, self.cache, self.requests = admission, cache, requests
-        self._alloc, self._free, self._alloc_shadow = alloc, free, alloc_shadow
+    def __init__(self, admission: Admission, cache: CacheManager, requests: RequestFactory, pool: KVPool,
+                 n_layers: int, *, audit: DepthAudit | None = None, cache_output: bool = False,
+                 context_length: int = 0) -> None:
+        self.admission, self.cache, self.requests, self.pool = admission, cache, requests, pool
         self.n_layers, self.audit = n_layers, audit
         self.cache_output, self.context_length = cache_output, context_length
         self.running: list[Req] = []
@@ -200,8 +199,8 @@ class Scheduler:
             parts, i = logits[i:i + n], i + n
             if req.finished:  # failed while planning: its works were not in the batch
                 continue
-            if req.cache.capture is not None:  # its first forward just wrote the capture
-                self.cache.commit(req.prompt_ids, req.cache, req.capture_len)
+            if req.grant.capture is not None:  # its first forward just wrote the capture
+                self.cache.commit(req.prompt_ids, req.grant, req.capture_len)
             try:
                 block_done = req.apply(parts, self.n_layers, decisions.get(id(req)))
             except Exception as e:
@@ -246,18 +245,31 @@ class Scheduler:
         for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt_ids)):
             self.running.append(req)
             try:
-                req.allocate(self._alloc)
-                req.cache = self.cache.admit(req.prompt_ids, req.facts())
-                if req.choice.audit and req.kind == "generate":
-                    req.audit_kv = self._alloc_shadow(req.seq_len)  # outside the budget
+                req.attach_kv(self._alloc_kv(req.kv_lengths()))
+                req.grant = self.cache.admit(req.prompt_ids, req.facts())
+                if req.choice.audit and req.generates:
+                    req.audit_kv = self.pool.alloc_seq(req.seq_len)  # outside the budget
                     req.auditing = req.audit_kv is not None
                     if not req.auditing:  # no room for the shadow: this request reuses nothing
-                        req.cache.plan = req.choice.without_reuse()
-                self.cache.share(req.cache, req.kv)
+                        req.grant.plan = req.choice.without_reuse()
+                self.cache.share(req.grant, req.kv)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
                 self.retire(req)
+
+    def _alloc_kv(self, lengths: list[int]) -> list[SeqKV]:
+        """A request's private buffers from the pool, all or none (what was taken before a
+        failure goes back)."""
+        kvs: list[SeqKV] = []
+        try:
+            for n in lengths:
+                kvs.append(self.pool.alloc_request(n))
+        except Exception:
+            for kv in kvs:
+                self.pool.free_seq(kv)
+            raise
+        return kvs
 
     # ----------------------------------------------------------------------------- retiring
     def retire_finished(self) -> list[Req]:
@@ -272,8 +284,9 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.admission.finished(req)
-        self.cache.release(req.cache)
-        req.free_buffers(self._free)
+        self.cache.release(req.grant)
+        for kv in req.detach_kv():
+            self.pool.free_seq(kv)
         if req.internal:
             return
         self._capture_output(req)
@@ -293,7 +306,7 @@ class Scheduler:
         if not (self.cache_output and self.cache.enabled and self.cache.policy.max_node_depth > 0):
             return
         reason = (req.finish_reason or {}).get("type")
-        if req.kind != "generate" or reason not in ("stop", "length") or not req.out_ids:
+        if not req.generates or reason not in ("stop", "length") or not req.out_ids:
             return
         ids = req.prompt + [t for t in req.out_ids if t != req.mask_id]
         if len(ids) > self.context_length:

@@ -1,4 +1,4 @@
-"""The memory sizing an engine would use on this device (``engine.stack.plan_for``, the sizing
+"""The memory sizing an engine would use on this device (``engine.builder.plan_for``, the sizing
 call every engine stack makes, under the default ``EngineConfig``), for the bundled
 model and for LLaDA-8B- and LLaDA-MoE-7B-A1B-shaped configs built in memory (no weights are read
 or allocated; a MoE's weights count every expert, all of which are resident).
@@ -18,7 +18,7 @@ import torch
 from ..bicache.policy import make_policy
 from ..bicache.profile import find_profile
 from ..config import EngineConfig
-from ..engine.stack import plan_for
+from ..engine.builder import plan_for
 from ..kv_cache.memory import MemoryPlan, itemsize
 from ..models.config import ModelConfig, parse_model_config
 from ..models.loader import load_model_config, pick_dtype

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bicache_sgl.engine.interface import EngineClient
-from bicache_sgl.engine.process import EngineDeadError, EngineProcessClient
+from bicache_sgl.engine.process import EngineDeadError
 from bicache_sgl.server import native_api, openai_api
 from bicache_sgl.server.args import ServerArgs
 from bicache_sgl.server.middleware import CLIENT_CLOSED, AuthAndCount
@@ -53,9 +53,8 @@ def create_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if isinstance(engine, EngineProcessClient):
-            # events reach their request on the loop without the receiver thread's hop
-            engine.attach_loop(asyncio.get_running_loop())
+        # an engine in another process: events reach their request on the loop without a thread hop
+        engine.attach_loop(asyncio.get_running_loop())
         threading.Thread(target=warmup_and_announce, args=(state,), name="bicache-warmup", daemon=True).start()
         try:
             yield

@@ -30,7 +30,7 @@ class Submission:
     """Engine requests submitted for one HTTP request; events arrive as (index, RequestEvent)."""
 
     def __init__(self, engine: EngineClient, items: Sequence[Item],
-                 on_finish: Callable[[int, RequestEvent, float], None] | None = None,
+                 on_finish: Callable[[Item, RequestEvent, float, float | None], None] | None = None,
                  executor: Executor | None = None, inline: bool = False):
         self.engine = engine
         self.executor = executor  # where submit() runs (None: the loop's default pool)
@@ -186,7 +186,7 @@ class Submission:
                     self.finished[i] = True
                     if self._on_finish is not None:
                         try:
-                            self._on_finish(i, ev, now - self.start)
+                            self._on_finish(self.items[i], ev, now - self.start, self.first_output[i])
                         except Exception:
                             logger.exception("metrics hook failed")
                 yield i, ev

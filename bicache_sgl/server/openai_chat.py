@@ -32,7 +32,7 @@ from bicache_sgl.server.openai_common import (
     usage,
 )
 from bicache_sgl.server.openai_tools import ToolPlan, plan_tools
-from bicache_sgl.server.protocol import APIError, LogprobOptions
+from bicache_sgl.server.protocol import APIError
 from bicache_sgl.server.responses import SSE_DONE, ORJSONResponse, sse, sse_error, stream_text
 from bicache_sgl.server.state import ServerState
 
@@ -126,10 +126,9 @@ async def chat_completions(request: Request) -> Response:
             raise APIError(f"tool_choice forces a tool call, generated under its own JSON-schema constraint; {other} "
                            "cannot be set too", param="tool_choice")
         sp["json_schema"] = tools.schema
-    lp = LogprobOptions(return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top,
-                        return_text_in_logprobs=want_lp)
-    items = make_items(state, [ids], sp, max_tokens is not None, lp,
-                       "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
+    items = make_items(state, [ids], sp, max_tokens is not None,
+                       "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
+                       return_logprob=want_lp, top_logprobs_num=top, return_text_in_logprobs=want_lp)
     sub = state.new_submission(items)
     job = ChatJob(state=state, sub=sub, items=items, object_type="chat.completion", rid=f"chatcmpl-{new_rid()}",
                   want_lp=want_lp, continuous_usage=continuous_usage(body), tools=tools)

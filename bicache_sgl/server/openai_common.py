@@ -21,7 +21,6 @@ from bicache_sgl.server.fields import SAMPLING_PASSTHROUGH, FieldError, check_st
 from bicache_sgl.server.protocol import (
     APIError,
     Item,
-    LogprobOptions,
     check_batch_size,
     check_length,
     engine_request,
@@ -162,9 +161,10 @@ def v1_param(message: str, sp: Mapping[str, Any]) -> str | None:
 
 
 def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,
-               lp: LogprobOptions, max_name: str = "max_tokens") -> list[Item]:
+               max_name: str = "max_tokens", **fields: Any) -> list[Item]:
     """One engine item per prompt and sample (prompt-major), each checked against the context.
-    ``max_name``: the request field that set the budget (named in errors about it)."""
+    ``max_name``: the request field that set the budget (named in errors about it); ``fields``:
+    the other ``GenerateRequest`` fields of every item (the logprob knobs)."""
     try:
         params, _ = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
     except APIError as e:
@@ -183,7 +183,7 @@ def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit
             raise
         base = p.replace(n=1) if p.n > 1 else p
         for j in range(p.n):
-            items.append(Item(engine_request(ids, base, lp), prompt_index=pi, sample_index=j))
+            items.append(Item(engine_request(ids, base, **fields), prompt_index=pi, sample_index=j))
     return items
 
 

@@ -33,7 +33,6 @@ from bicache_sgl.server.openai_common import (
 from bicache_sgl.server.protocol import (
     APIError,
     Item,
-    LogprobOptions,
     check_batch_size,
     check_token_ids,
     engine_request,
@@ -104,9 +103,8 @@ async def left_to_right_logprobs(state: ServerState, request: Request, targets: 
                                      max_n=state.args.max_n)
     out: list[tuple[list, list | None]] = []
     for lo in range(0, len(targets), SCORE_CHUNK):
-        items = [Item(engine_request(ids, params, LogprobOptions(return_logprob=True, logprob_start_len=i,
-                                                                 top_logprobs_num=top, return_text_in_logprobs=True)),
-                      log_metrics=False)
+        items = [Item(engine_request(ids, params, return_logprob=True, logprob_start_len=i, top_logprobs_num=top,
+                                     return_text_in_logprobs=True), log_metrics=False)
                  for ids, i in targets[lo:lo + SCORE_CHUNK]]
         sub = state.new_submission(items)
         await sub.submit()
@@ -233,10 +231,9 @@ async def completions(request: Request) -> Response:
     sp = sampling_dict(body, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     # echo prompt logprobs come from left-to-right scoring (echo_prompt_logprobs), not from the
     # generation request (whose input logprobs mask the whole range together)
-    lp = LogprobOptions(return_logprob=logprobs is not None, logprob_start_len=-1,
-                        top_logprobs_num=logprobs or 0, return_text_in_logprobs=logprobs is not None)
     # max_tokens always counts as given: OpenAI's default (16) is a real limit, never shortened
-    items = make_items(state, id_lists, sp, True, lp)
+    items = make_items(state, id_lists, sp, True, return_logprob=logprobs is not None,
+                       top_logprobs_num=logprobs or 0, return_text_in_logprobs=logprobs is not None)
     sub = state.new_submission(items)
     job = CompletionJob(state=state, sub=sub, items=items, object_type="text_completion",
                         rid=f"cmpl-{new_rid()}",

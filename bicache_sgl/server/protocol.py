@@ -122,22 +122,12 @@ def sampling_params_from(d: Any, defaults: Mapping[str, Any] | None = None, *,
     return params, explicit
 
 
-@dataclass
-class LogprobOptions:
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-
-
-def engine_request(ids: list[int], params: SamplingParams, lp: LogprobOptions | None = None, *,
-                   rid: str | None = None, bicache_depth: int | None = None) -> GenerateRequest:
-    """The typed engine request of one parsed prompt (``rid`` None: the request mints its own)."""
-    lp = lp or LogprobOptions()
+def engine_request(ids: list[int], params: SamplingParams, *, rid: str | None = None, **fields: Any) -> GenerateRequest:
+    """The typed engine request of one parsed prompt (``rid`` None: the request mints its own);
+    ``fields``: the other ``GenerateRequest`` fields, by their names (the logprob knobs,
+    ``bicache_depth``), declared once there."""
     named = {} if rid is None else {"rid": rid}
-    return GenerateRequest(list(ids), params, return_logprob=lp.return_logprob,
-                           logprob_start_len=lp.logprob_start_len, top_logprobs_num=lp.top_logprobs_num,
-                           return_text_in_logprobs=lp.return_text_in_logprobs, bicache_depth=bicache_depth, **named)
+    return GenerateRequest(list(ids), params, **named, **fields)
 
 
 @dataclass
@@ -319,7 +309,6 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
         params = check_length(len(ids), params, explicit, context_length, block_length)
         rl, start, top, text_in = _logprob_options(rl_list[i], ls_list[i], tl_list[i], tx_list[i])
         start = resolve_logprob_start(start, rl, params.max_new_tokens, len(ids))
-        lp = LogprobOptions(rl, start, top, text_in)
         n = params.n
         any_n = any_n or n > 1
         base = params.replace(n=1) if n > 1 else params
@@ -327,6 +316,7 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
             r = rid_list[i]
             if r is not None and n > 1:
                 r = f"{r}-{j}"
-            req = engine_request(ids, base, lp, rid=r or None, bicache_depth=depth_list[i])
+            req = engine_request(ids, base, rid=r or None, bicache_depth=depth_list[i], return_logprob=rl,
+                                 logprob_start_len=start, top_logprobs_num=top, return_text_in_logprobs=text_in)
             items.append(Item(req, prompt_index=i, sample_index=j, log_metrics=log_list[i] is not False))
     return GenerateInput(items=items, batch=batch or any_n, stream=stream)

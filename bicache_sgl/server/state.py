@@ -13,7 +13,7 @@ from fastapi import Request
 
 from bicache_sgl.constrained import cache_info as constraint_cache_info
 from bicache_sgl.engine.interface import EngineClient
-from bicache_sgl.engine.process import EngineDeadError, EngineProcessClient
+from bicache_sgl.engine.process import EngineDeadError
 from bicache_sgl.io_struct import RequestEvent
 from bicache_sgl.models.tokenize import TextEncoder
 from bicache_sgl.server.args import ServerArgs, default_served_model_name
@@ -53,9 +53,9 @@ class ServerState:
         # seconds) have a lane of their own, so a heavy build never holds a plain request either
         self.submit_pool = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="bicache-submit")
         self.constraint_pool = ThreadPoolExecutor(CONSTRAINT_SUBMIT_THREADS, thread_name_prefix="bicache-constraint")
-        # an engine process client with no queue limit submits with a pure validation and a one-way
-        # send, never waiting on the engine: such submissions run on the loop (bridge.Submission)
-        self.quick_submit = isinstance(engine, EngineProcessClient) and engine.submit_returns_at_once
+        # an engine whose submit never waits (an engine process client with no queue limit: a pure
+        # validation and a one-way send): such submissions run on the loop (bridge.Submission)
+        self.quick_submit = engine.submit_returns_at_once
         self._stats_call: asyncio.Future | None = None
         self._encoder: TextEncoder | None = None  # made on first use (the engine's tokenizer)
         self._last_stats: dict[str, Any] = {}
@@ -114,14 +114,8 @@ class ServerState:
         constrained = any(it.params.constraint is not None for it in items)
         # a constraint may be built while validating (milliseconds to seconds): never on the loop
         inline = not constrained and self.quick_submit
-        sub = Submission(self.engine, items, executor=self.constraint_pool if constrained else self.submit_pool,
-                         inline=inline)
-
-        def on_finish(i: int, ev: RequestEvent, elapsed: float) -> None:
-            self.record_finish(sub.items[i], ev, elapsed, sub.first_output[i])
-
-        sub._on_finish = on_finish
-        return sub
+        return Submission(self.engine, items, on_finish=self.record_finish,
+                          executor=self.constraint_pool if constrained else self.submit_pool, inline=inline)
 
     async def engine_stats(self) -> dict[str, Any]:
         """The engine's counters; when the engine does not answer within ``STATS_WAIT_S`` (busy),
