@@ -123,6 +123,17 @@ def _answer_head(vocab: int, D: int, A: int, char_id: dict[str, int], rho_f: flo
     return head
 
 
+def _inert_attention(qd: int, D: int, g: torch.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, o) fp64 projections of an inert layer: random q / k / v ([qd, D], std 0.2, drawn
+    from ``g`` in that order: token-specific K/V) and a zero output ([D, qd]: writes nothing)."""
+    f64 = torch.float64
+    q = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
+    kk = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
+    v = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
+    return q, kk, v, torch.zeros(D, qd, dtype=f64)
+
+
 def make_planted_llada(folder: str | Path, *, k: int = 2, n_layers: int = 6, head_dim: int = 32,
                        max_sequence_length: int = 2048, rope_theta: float = 500000.0, seed: int = 0) -> str:
     """Write the planted checkpoint (safe depth ``k``, ``n_layers >= k + 2`` layers) into ``folder``."""
@@ -168,10 +179,7 @@ def make_planted_llada(folder: str | Path, *, k: int = 2, n_layers: int = 6, hea
     qd = n_heads * head_dim
     for li in range(n_layers):
         p = f"layers.{li}."
-        q = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        kk = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        v = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        o = torch.zeros(D, qd, dtype=f64)
+        q, kk, v, o = _inert_attention(qd, D, g)
         gate = torch.zeros(ff, D, dtype=f64)
         up = torch.zeros(ff, D, dtype=f64)
         down = torch.zeros(D, ff, dtype=f64)

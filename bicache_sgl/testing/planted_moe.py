@@ -43,6 +43,7 @@ from .planted import (
     _answer_head,
     _char_ids,
     _embedding,
+    _inert_attention,
     _rope_pairs,
 )
 
@@ -103,10 +104,7 @@ def make_planted_llada_moe(folder: str | Path, *, k: int = 2, n_layers: int = 6,
     qd, F = n_heads * head_dim, EXPERT_SIZE
     for li in range(n_layers):
         p = f"layers.{li}."
-        q = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        kk = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        v = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        o = torch.zeros(D, qd, dtype=f64)
+        q, kk, v, o = _inert_attention(qd, D, g)
         qn, kn = torch.ones(head_dim, dtype=f64), torch.ones(head_dim, dtype=f64)
         router = torch.zeros(N_EXPERTS, D, dtype=f64)
         experts = [[torch.zeros(F, D, dtype=f64), torch.zeros(F, D, dtype=f64), torch.zeros(D, F, dtype=f64)]
