@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import torch
 
-from bicache_sgl.bench.fidelity import PLANTED_PREFIXES, ModelSpec, fidelity_table, markdown
+from bicache_sgl.bench.fidelity import ModelSpec, calibrate_planted, fidelity_table, markdown
 from bicache_sgl.testing.planted_moe import make_planted_llada_moe
 
 
@@ -29,18 +27,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="fidelity-moe-") as tmp:
         path = make_planted_llada_moe(os.path.join(tmp, "planted_moe"), k=2, n_layers=6)
-        prof = os.path.join(path, "bicache_profile.json")
-        data = os.path.join(path, "calib.jsonl")
-        filler = " is the question: tell me which digit it is, please, in as few characters as you can"
-        with open(data, "w") as f:
-            for i, prefix in enumerate(PLANTED_PREFIXES[:3]):
-                for d in "37" if i % 2 else "58":
-                    for reps in range(7):
-                        f.write(json.dumps({"prefix": prefix, "suffix": d + filler * reps}) + "\n")
-        cmd = [sys.executable, "-m", "bicache_sgl.calibrate", "--model-path", path, "--data", data, "--out", prof,
-               "--plot", "none", "--criterion", "agreement", "--gen-length", "64", "--block-length", "8",
-               "--device", "cpu", "--num-threads", "1", "--no-progress"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        prof = calibrate_planted(path, threads=1)
         with open(prof) as f:
             print("calibrated profile (r% -> depth):", json.load(f)["table"])
         rows = fidelity_table([ModelSpec("planted-moe", path, "planted", profile=prof)], [0.2, 0.4, 0.6, 0.8],

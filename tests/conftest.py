@@ -2,11 +2,23 @@ import os
 import tempfile
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # First-run bicache profiles are cached on disk: keep the suite's own cache (inherited by the
 # servers it starts) out of the user's ~/.cache and shared by every test of the session.
 os.environ.setdefault("BICACHE_SGL_CACHE", tempfile.mkdtemp(prefix="bicache-sgl-test-cache-"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny models (all per-op overhead: OpenMP waits cost far
+    more than they save on a shared machine); the count is restored after the module. A module
+    opts in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -35,14 +35,7 @@ from bicache_sgl.testing.block_generate import llada2_generate, sdar_generate
 B = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """These tiny models are all per-op overhead: one thread (restored after the module) avoids
-    OpenMP waits that cost far more than they save on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

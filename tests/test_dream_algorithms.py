@@ -133,13 +133,7 @@ def drive(model, cfg, req: Req) -> tuple[list[int], Req]:
     return req.x[req.prompt_len:].tolist(), req
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is fastest (and steady on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

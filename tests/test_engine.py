@@ -16,6 +16,7 @@ from bicache_sgl.kv_cache.store import KVStore
 from bicache_sgl.models.forward_batch import ForwardBatch, SeqWork
 from bicache_sgl.models.loader import load_model, load_tokenizer
 from bicache_sgl.scheduler.request import Req
+from bicache_sgl.testing.together import run_together
 
 PROMPTS = ["The quick brown fox jumps", "Q: what is 2+2?\nA:", "lorem ipsum dolor sit amet, consectetur", "x"]
 
@@ -117,20 +118,6 @@ def test_step_rows_active_with_dream_shifted_logits(tiny_dream):
         eng.shutdown()
 
 
-def _run_together(eng, greqs: list) -> list:
-    """Submit ``greqs`` atomically (they share the first step) and return their final events."""
-    events, done = {}, threading.Event()
-
-    def on_event(ev):
-        if ev.finished:
-            events[ev.rid] = ev
-            if len(events) == len(greqs):
-                done.set()
-    rids = eng.submit_many(greqs, [on_event] * len(greqs))
-    assert done.wait(120)
-    return [events[r] for r in rids]
-
-
 def test_batched_equals_alone(engine):
     """Requests of different lengths, budgets and block sizes in one running batch (one forward
     per step) give the tokens each gives alone."""
@@ -141,7 +128,7 @@ def test_batched_equals_alone(engine):
     alone = [engine.generate(p, {"temperature": 0, **sp})["output_ids"] for p, sp in specs]
     greqs = [GenerateRequest(engine.encode(p), SamplingParams.from_dict({"temperature": 0, **sp})) for p, sp in specs]
     before = engine.get_stats()["num_forward_passes"]
-    together = _run_together(engine, greqs)
+    together = run_together(engine, greqs)
     assert [e.output_ids for e in together] == alone
     # they really ran in the same forwards: fewer batched forwards than their own forward counts summed
     batched_forwards = engine.get_stats()["num_forward_passes"] - before
@@ -304,7 +291,7 @@ def test_default_greedy_threshold_decisions_made_together_equal_the_per_request_
                  {"max_new_tokens": 24, "ignore_eos": True}]
         greqs = [GenerateRequest(eng.encode(p), SamplingParams.from_dict({"temperature": 0, **s}))
                  for p, s in zip(prompts, specs)]
-        together = [e.output_ids for e in _run_together(eng, greqs)]
+        together = [e.output_ids for e in run_together(eng, greqs)]
         assert max(rows) > 1  # several requests were decided in one call
         rows.clear()
         alone = [eng.generate(p, {"temperature": 0, "logit_bias": {"5": 0.0}, **s})["output_ids"]

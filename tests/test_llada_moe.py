@@ -7,8 +7,6 @@ The depth-d forward against the reference is tests/test_fidelity.py."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from bicache_sgl.models.config import CheckpointError, parse_model_config
 from bicache_sgl.models.loader import load_model, load_tokenizer, read_config
 from bicache_sgl.reference import load_reference_model, reference_logits
 from bicache_sgl.testing import make_tiny_llada_moe
+from bicache_sgl.testing.together import run_together
 
 IDS = [5, 17, 200, 33, 33, 90, 4, 250, 11, 77, 3, 64, 128, 9, 41, 41]
 PROMPTS = ["The quick brown fox jumps", "Q: what is 2+2?\nA:", "lorem ipsum dolor sit amet, consectetur", "x"]
@@ -163,19 +162,6 @@ def test_the_default_algorithm_is_the_model_card_generate_token_for_token(tiny_l
         eng.shutdown()
 
 
-def _run_together(eng, greqs: list) -> list:
-    events, done = {}, threading.Event()
-
-    def on_event(ev):
-        if ev.finished:
-            events[ev.rid] = ev
-            if len(events) == len(greqs):
-                done.set()
-    rids = eng.submit_many(greqs, [on_event] * len(greqs))
-    assert done.wait(120)
-    return [events[r] for r in rids]
-
-
 def test_batched_equals_alone(tiny_llada_moe):
     """Requests of different lengths, block sizes, cache modes and thresholds in one running batch
     (the MoE groups all their rows per expert in each forward) give the tokens each gives alone."""
@@ -187,7 +173,7 @@ def test_batched_equals_alone(tiny_llada_moe):
         alone = [eng.generate(p, {"temperature": 0, **sp})["output_ids"] for p, sp in specs]
         greqs = [GenerateRequest(eng.encode(p), SamplingParams.from_dict({"temperature": 0, **sp})) for p, sp in specs]
         before = eng.get_stats()["num_forward_passes"]
-        together = _run_together(eng, greqs)
+        together = run_together(eng, greqs)
         assert [e.output_ids for e in together] == alone
         assert eng.get_stats()["num_forward_passes"] - before < sum(e.meta_info["forward_passes"] for e in together)
     finally:

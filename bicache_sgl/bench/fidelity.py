@@ -276,27 +276,36 @@ def plot(rows: list[dict], path: str, metric: str = "acc") -> None:
 
 
 # ------------------------------------------------------------------------------------------- CLI
+def calibrate_planted(path: str, threads: int = 1) -> str:
+    """Calibrate a profile for the planted checkpoint in ``path`` (either planted build) with
+    ``python -m bicache_sgl.calibrate`` (agreement criterion); returns the profile's path
+    (``path``/bicache_profile.json)."""
+    prof = os.path.join(path, "bicache_profile.json")
+    # prefix/suffix pairs: a shared prefix without digits, suffixes that start with their own digit.
+    # The planner keeps a question whole and reaches a fraction through the generation region
+    # only, so questions of several lengths (filler repeated 0-6 times) cover r = 10-90%.
+    data = os.path.join(path, "calib.jsonl")
+    filler = " is the question: tell me which digit it is, please, in as few characters as you can"
+    with open(data, "w") as f:
+        for i, prefix in enumerate(PLANTED_PREFIXES[:3]):
+            for d in "37" if i % 2 else "58":
+                for reps in range(7):
+                    f.write(json.dumps({"prefix": prefix, "suffix": d + filler * reps}) + "\n")
+    cmd = [sys.executable, "-m", "bicache_sgl.calibrate", "--model-path", path, "--data", data, "--out", prof,
+           "--plot", "none", "--criterion", "agreement", "--gen-length", "64", "--block-length", "8",
+           "--device", "cpu", "--num-threads", str(threads), "--no-progress"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True,
+                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return prof
+
+
 def planted_spec(folder: str, k: int = 2, n_layers: int = 6, calibrate: bool = True, threads: int = 1) -> ModelSpec:
-    """The planted model, with a profile calibrated by ``python -m bicache_sgl.calibrate`` (agreement)."""
+    """The planted model, with a profile calibrated by :func:`calibrate_planted` (agreement)."""
     from ..testing.planted import make_planted_llada
     path = str(make_planted_llada(folder, k=k, n_layers=n_layers))
     prof = os.path.join(path, "bicache_profile.json")
     if calibrate:
-        # prefix/suffix pairs: a shared prefix without digits, suffixes that start with their own digit.
-        # The planner keeps a question whole and reaches a fraction through the generation region
-        # only, so questions of several lengths (filler repeated 0-6 times) cover r = 10-90%.
-        data = os.path.join(path, "calib.jsonl")
-        filler = " is the question: tell me which digit it is, please, in as few characters as you can"
-        with open(data, "w") as f:
-            for i, prefix in enumerate(PLANTED_PREFIXES[:3]):
-                for d in "37" if i % 2 else "58":
-                    for reps in range(7):
-                        f.write(json.dumps({"prefix": prefix, "suffix": d + filler * reps}) + "\n")
-        cmd = [sys.executable, "-m", "bicache_sgl.calibrate", "--model-path", path, "--data", data, "--out", prof,
-               "--plot", "none", "--criterion", "agreement", "--gen-length", "64", "--block-length", "8",
-               "--device", "cpu", "--num-threads", str(threads), "--no-progress"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        prof = calibrate_planted(path, threads)
     return ModelSpec("planted", path, "planted", profile=prof)
 
 

@@ -121,17 +121,23 @@ class _Glushkov:
         self.follow.append(set())
         return len(self.sets) - 1
 
+    def _then(self, acc: tuple[bool, set[int], set[int]], part: tuple[bool, set[int], set[int]]
+              ) -> tuple[bool, set[int], set[int]]:
+        """(nullable, first, last) of ``acc`` followed by ``part``, adding the follow edges from
+        acc's last positions to part's first ones (``acc``'s first set is extended in place)."""
+        nullable, first, last = acc
+        n2, f2, l2 = part
+        self._link(last, f2)
+        if nullable:
+            first |= f2
+        return nullable and n2, first, (last | l2) if n2 else set(l2)
+
     def seq(self, items) -> tuple[bool, set[int], set[int]]:
         """(nullable, first, last) of a sequence, adding its follow edges."""
-        nullable, first, last = True, set(), set()
+        acc: tuple[bool, set[int], set[int]] = (True, set(), set())
         for op, av in items:
-            n2, f2, l2 = self.node(op, av)
-            self._link(last, f2)
-            if nullable:
-                first |= f2
-            last = (last | l2) if n2 else set(l2)
-            nullable = nullable and n2
-        return nullable, first, last
+            acc = self._then(acc, self.node(op, av))
+        return acc
 
     def node(self, op, av) -> tuple[bool, set[int], set[int]]:
         name = str(op)
@@ -155,18 +161,13 @@ class _Glushkov:
             # X{lo,hi} = lo copies then hi - lo optional ones (X?X? accepts what (X(X)?)? does);
             # X{lo,} = max(lo, 1) copies, the last looping on itself (optional when lo == 0)
             copies = max(lo, 1) if unbounded else hi
-            nullable, first, last = True, set(), set()
+            acc: tuple[bool, set[int], set[int]] = (True, set(), set())
             for i in range(copies):
                 n2, f2, l2 = self.seq(sub)
                 if unbounded and i == copies - 1:
                     self._link(l2, f2)
-                n2 = n2 or i >= lo
-                self._link(last, f2)
-                if nullable:
-                    first |= f2
-                last = (last | l2) if n2 else set(l2)
-                nullable = nullable and n2
-            return nullable, first, last
+                acc = self._then(acc, (n2 or i >= lo, f2, l2))
+            return acc
         return True, set(), set()  # AT and the like: no character
 
 

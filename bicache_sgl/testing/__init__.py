@@ -45,15 +45,24 @@ def save_byte_tokenizer(folder: str | Path, special: tuple[str, ...] | list[str]
     return {t: tk.token_to_id(t) for t in special}
 
 
-def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: int, std: float,
-                   stds: dict[str, float] | None = None) -> None:
-    """Random weights for every tensor of the config's family; ``stds``: the std of the tensors
-    whose runtime name ends with a key (else ``std``; norms near 1, biases small)."""
-    from safetensors.torch import save_file
-    cfg = parse_model_config(cfg_dict)
+def _start_folder(folder: str | Path, special: tuple[str, ...] | list[str] = tuple(SPECIAL_TOKENS),
+                  chat_template: str | None = CHAT_TEMPLATE) -> tuple[Path, dict[str, int], int]:
+    """Create ``folder`` and write the byte tokenizer into it; returns the folder, the
+    special-token ids and the vocabulary size (256 bytes + the special tokens)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = save_byte_tokenizer(folder, special, chat_template=chat_template)
+    return folder, ids, 256 + len(special)
+
+
+def _random_tensors(names: dict[str, tuple[str, tuple[int, ...]]], seed: int, std: float,
+                    stds: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """Random weights keyed by checkpoint name, drawn in ``names``' order from one generator
+    seeded with ``seed``; ``stds``: the std of the tensors whose runtime name ends with a key
+    (else ``std``; norms near 1, biases small). ``names``: runtime name -> (checkpoint name, shape)."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for ours, (ck, shape) in checkpoint_names(cfg).items():
+    for ours, (ck, shape) in names.items():
         special = [v for k, v in (stds or {}).items() if ours.endswith(k)]
         if special:
             t = special[0] * torch.randn(shape, generator=g)
@@ -64,10 +73,17 @@ def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: in
         else:
             t = std * torch.randn(shape, generator=g)
         tensors[ck] = t.contiguous()
-    names = list(tensors)
+    return tensors
+
+
+def _save_tensors(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> dict[str, str] | None:
+    """Save ``tensors`` as ``model.safetensors`` (``shards <= 1``: returns None) or as ``shards``
+    numbered files in insertion order (returns the weight map; the caller writes the index)."""
+    from safetensors.torch import save_file
     if shards <= 1:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
+        return None
+    names = list(tensors)
     per = (len(names) + shards - 1) // shards
     weight_map = {}
     for s in range(shards):
@@ -75,6 +91,16 @@ def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: in
         part = {k: tensors[k] for k in names[s * per:(s + 1) * per]}
         save_file(part, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in part})
+    return weight_map
+
+
+def _write_weights(folder: Path, cfg_dict: dict[str, Any], seed: int, shards: int, std: float,
+                   stds: dict[str, float] | None = None) -> None:
+    """Random weights for every tensor of the config's family (see :func:`_random_tensors`)."""
+    tensors = _random_tensors(checkpoint_names(parse_model_config(cfg_dict)), seed, std, stds)
+    weight_map = _save_tensors(folder, tensors, shards)
+    if weight_map is None:
+        return
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
@@ -84,10 +110,7 @@ def make_tiny_llada(folder: str | Path, *, n_layers: int = 4, d_model: int = 64,
                     n_kv_heads: int | None = None, mlp_hidden_size: int = 128, seed: int = 0, shards: int = 1,
                     std: float = 0.08, weight_tying: bool = False) -> str:
     """A random LLaDA checkpoint (LLaDAModelLM config keys and tensor names)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder)
-    vocab = 256 + len(SPECIAL_TOKENS)
+    folder, special, vocab = _start_folder(folder)
     cfg = {
         "architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu", "alibi": False,
         "block_type": "llama", "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
@@ -107,10 +130,7 @@ def make_tiny_dream(folder: str | Path, *, n_layers: int = 4, hidden_size: int =
                     n_kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0, shards: int = 1,
                     std: float = 0.08) -> str:
     """A random Dream checkpoint (Qwen2-style names, GQA, q/k/v biases, shifted logits)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder)
-    vocab = 256 + len(SPECIAL_TOKENS)
+    folder, special, vocab = _start_folder(folder)
     cfg = {
         "architectures": ["DreamModel"], "model_type": "Dream", "hidden_act": "silu", "hidden_size": hidden_size,
         "intermediate_size": intermediate_size, "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
@@ -138,10 +158,7 @@ def make_tiny_llada_moe(folder: str | Path, *, n_layers: int = 4, hidden_size: i
     that keep the residual token-specific, makes routing differ between tokens).
     config.json names ``mask_token_id`` (the published one does not: its <|mask|> id, 156895, is
     outside this vocabulary). The tokenizer ships no chat template: the family's is used."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder, LLADA_MOE_SPECIAL_TOKENS, chat_template=None)
-    vocab = 256 + len(LLADA_MOE_SPECIAL_TOKENS)
+    folder, special, vocab = _start_folder(folder, LLADA_MOE_SPECIAL_TOKENS, chat_template=None)
     cfg = {
         "architectures": ["LLaDAMoEModelLM"], "model_type": "llada", "hidden_act": "silu",
         "hidden_size": hidden_size, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,

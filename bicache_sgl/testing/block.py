@@ -12,41 +12,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..models.block_config import block_checkpoint_names, parse_block_config
-from . import SPECIAL_TOKENS, save_byte_tokenizer
+from . import _random_tensors, _save_tensors, _start_folder
 
 
-def _write(folder: Path, cfg_dict: dict[str, Any], seed: int, std: float, shards: int) -> None:
-    from safetensors.torch import save_file
-    cfg = parse_block_config(cfg_dict)
-    g = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for ours, (ck, shape) in block_checkpoint_names(cfg).items():
-        if ours.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif ours.endswith("expert_bias"):
-            t = 0.1 * torch.randn(shape, generator=g)
-        elif ours.endswith("gate.weight"):
-            t = 0.5 * torch.randn(shape, generator=g)  # router: spread scores, varied routing
-        elif ours.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=g)
-        else:
-            t = std * torch.randn(shape, generator=g)
-        tensors[ck] = t.contiguous()
-    names = list(tensors)
-    if shards <= 1:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
-    per = (len(names) + shards - 1) // shards
-    weight_map = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: tensors[k] for k in names[s * per:(s + 1) * per]}
-        save_file(part, str(folder / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in part})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+def _finish(folder: Path, cfg: dict[str, Any], block_length: int, seed: int, std: float, shards: int) -> str:
+    """Write config.json, generation_config.json (``block_length``) and the random weights."""
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "generation_config.json").write_text(json.dumps({"block_length": block_length}))
+    # the router is drawn wider (spread scores, varied routing) and the expert bias non-zero
+    tensors = _random_tensors(block_checkpoint_names(parse_block_config(cfg)), seed, std,
+                              stds={"expert_bias": 0.1, "gate.weight": 0.5})
+    weight_map = _save_tensors(folder, tensors, shards)
+    if weight_map is not None:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return str(folder)
 
 
 def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int = 64, n_heads: int = 4,
@@ -58,10 +38,7 @@ def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int 
     """A random LLaDA2 checkpoint (LLaDA2.0-mini's config keys and tensor names at tiny sizes).
     ``block_length`` is not a config.json key of the real checkpoints: it is written to
     ``generation_config.json`` here (the loader takes the block length from the caller)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder)
-    vocab = 256 + len(SPECIAL_TOKENS)
+    folder, special, vocab = _start_folder(folder)
     cfg = {
         "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_act": "silu",
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": n_layers,
@@ -78,20 +55,14 @@ def make_tiny_llada2(folder: str | Path, *, n_layers: int = 3, hidden_size: int 
         "eos_token_id": special["<|endoftext|>"] if eos_token_id is None else eos_token_id,
         "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
     }
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    (folder / "generation_config.json").write_text(json.dumps({"block_length": block_length}))
-    _write(folder, cfg, seed, std, shards)
-    return str(folder)
+    return _finish(folder, cfg, block_length, seed, std, shards)
 
 
 def make_tiny_sdar(folder: str | Path, *, n_layers: int = 3, hidden_size: int = 64, n_heads: int = 4,
                    n_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128, block_length: int = 4,
                    eos_token_id: int | None = None, seed: int = 0, std: float = 0.08, shards: int = 1) -> str:
     """A random SDAR checkpoint (SDARForCausalLM: Qwen3-style names, q_norm / k_norm, GQA)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder)
-    vocab = 256 + len(SPECIAL_TOKENS)
+    folder, special, vocab = _start_folder(folder)
     cfg = {
         "architectures": ["SDARForCausalLM"], "model_type": "sdar", "hidden_act": "silu",
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": n_layers,
@@ -101,7 +72,4 @@ def make_tiny_sdar(folder: str | Path, *, n_layers: int = 3, hidden_size: int = 
         "eos_token_id": special["<|endoftext|>"] if eos_token_id is None else eos_token_id,
         "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
     }
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    (folder / "generation_config.json").write_text(json.dumps({"block_length": block_length}))
-    _write(folder, cfg, seed, std, shards)
-    return str(folder)
+    return _finish(folder, cfg, block_length, seed, std, shards)

@@ -27,15 +27,32 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tok, probs[torch.arange(len(tok)), tok]
 
 
+def _window(prompt: Sequence[int], mask_id: int, gen_length: int, block_length: int) -> tuple[int, int, list[int]]:
+    """(P, n_blocks, x): the prompt (P tokens) followed by masks up to whole blocks from position 0
+    that cover P + gen_length positions."""
+    P = len(prompt)
+    n_blocks = -(-(P + gen_length) // block_length)
+    return P, n_blocks, list(prompt) + [mask_id] * (n_blocks * block_length - P)
+
+
+def _answer(x: list[int], P: int, gen_length: int, stop_ids: Sequence[int]) -> list[int]:
+    """The generated part of the window, at most gen_length tokens, up to and including the
+    first stop id."""
+    out = []
+    for t in x[P:P + gen_length]:
+        out.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
 def llada2_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, eos_id: int, gen_length: int,
                     block_length: int = 32, steps: int = 32, threshold: float = 0.95, minimal_topk: int = 1
                     ) -> list[int]:
     """LLaDA2's generate(), temperature 0, eos_early_stop False: returns the generated tokens up
     to and including the first eos (at most gen_length)."""
     steps = min(steps, gen_length // minimal_topk)
-    P = len(prompt)
-    n_blocks = -(-(P + gen_length) // block_length)
-    x = list(prompt) + [mask_id] * (n_blocks * block_length - P)
+    P, n_blocks, x = _window(prompt, mask_id, gen_length, block_length)
     plan = _steps_plan(block_length, steps)
     for blk in range(P // block_length, n_blocks):
         end = (blk + 1) * block_length
@@ -55,12 +72,7 @@ def llada2_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int,
                 x[i] = int(tok[i - (end - block_length)])
         if eos_id in x[P:end]:
             break
-    out = []
-    for t in x[P:P + gen_length]:
-        out.append(t)
-        if t == eos_id:
-            break
-    return out
+    return _answer(x, P, gen_length, (eos_id,))
 
 
 def sdar_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, stop_ids: Sequence[int],
@@ -69,9 +81,7 @@ def sdar_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, s
     """SDAR's block_diffusion_generate(), greedy, low_confidence_dynamic. It returns the whole
     window; the answer here is its generated part up to and including the first stop id (at most
     gen_length), which is what a server returns."""
-    P = len(prompt)
-    n_blocks = -(-(P + gen_length) // block_length)
-    x = list(prompt) + [mask_id] * (n_blocks * block_length - P)
+    P, n_blocks, x = _window(prompt, mask_id, gen_length, block_length)
     plan = _steps_plan(block_length, denoising_steps)
     for blk in range(P // block_length, n_blocks):
         a, end = blk * block_length, (blk + 1) * block_length
@@ -90,12 +100,7 @@ def sdar_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, s
                 x[i] = int(tok[i - a])
         if any(t in stop_ids for t in x[P:]):
             break
-    out = []
-    for t in x[P:P + gen_length]:
-        out.append(t)
-        if t in stop_ids:
-            break
-    return out
+    return _answer(x, P, gen_length, stop_ids)
 
 
 def llada21_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int, eos_id: int, gen_length: int,
@@ -105,9 +110,7 @@ def llada21_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int
     single best, token-to-token edits above ``edit_threshold``, up to ``max_post_edit_steps``
     steps after the block's last mask) over LLaDA2's window (blocks from position 0), greedy.
     Returns (the answer up to and including the first eos, the number of edits made)."""
-    P = len(prompt)
-    n_blocks = -(-(P + gen_length) // block_length)
-    x = list(prompt) + [mask_id] * (n_blocks * block_length - P)
+    P, n_blocks, x = _window(prompt, mask_id, gen_length, block_length)
     edits = 0
     for blk in range(P // block_length, n_blocks):
         a, end = blk * block_length, (blk + 1) * block_length
@@ -133,9 +136,4 @@ def llada21_generate(logits_fn: LogitsFn, prompt: Sequence[int], *, mask_id: int
                 x[i] = int(tok[i - a])
         if eos_id in x[P:end]:
             break
-    out = []
-    for t in x[P:P + gen_length]:
-        out.append(t)
-        if t == eos_id:
-            break
-    return out, edits
+    return _answer(x, P, gen_length, (eos_id,)), edits

@@ -40,7 +40,7 @@ import torch
 
 from ..models.config import parse_model_config
 from ..models.weights import checkpoint_names
-from . import SPECIAL_TOKENS, save_byte_tokenizer
+from . import _start_folder
 
 DIGITS = "0123456789"
 NONE_CHAR = "-"  # the answer when the sequence holds no digit
@@ -86,16 +86,61 @@ def _char_ids(folder: Path) -> dict[str, int]:
     return out
 
 
+def _embedding(vocab: int, D: int, const: int, block0: int, code: int, char_id: dict[str, int],
+               g: torch.Generator) -> torch.Tensor:
+    """[vocab, D] fp64 embedding whose rows all have the same norm (so RMSNorm scales every token
+    alike): const = 1, the class one-hot and the is-digit / not-digit flag in the relay block at
+    ``block0``, and a random unit code (drawn from ``g``) at ``code``."""
+    f64 = torch.float64
+    emb = torch.zeros(vocab, D, dtype=f64)
+    emb[:, const] = 1.0
+    digit_of = {char_id[ch]: i for i, ch in enumerate(DIGITS)}
+    for t in range(vocab):
+        cls = digit_of.get(t, N_CLASSES - 1)
+        emb[t, block0 + cls] = 1.0
+        emb[t, block0 + N_CLASSES + (0 if t in digit_of else 1)] = 1.0
+    codes = torch.randn(vocab, _CODE, generator=g, dtype=f64)
+    emb[:, code:code + _CODE] = codes / codes.norm(dim=1, keepdim=True)
+    return emb
+
+
+def _rope_pairs(head_dim: int, rope_theta: float, max_len: int) -> tuple[int, int, float]:
+    """(js, jf, theta_f): the gather uses the slowest rotary pair js (cos(angle) ~ 1 over the
+    whole context: position-independent); the read the fastest pair jf whose angle stays below
+    1 rad over ``max_len`` positions (sin is monotone there), of frequency theta_f."""
+    inv_freq = [rope_theta ** (-2 * j / head_dim) for j in range(head_dim // 2)]
+    js = head_dim // 2 - 1
+    jf = min(j for j in range(head_dim // 2) if inv_freq[j] * max_len <= 1.0)
+    return js, jf, inv_freq[jf]
+
+
+def _answer_head(vocab: int, D: int, A: int, char_id: dict[str, int], rho_f: float) -> torch.Tensor:
+    """[vocab, D] fp64 LM head: answer channel A + i votes for the i-th answer character with
+    logit HEAD_GAIN (``rho_f``: the rms of the final residual, undone by the final norm)."""
+    head = torch.zeros(vocab, D, dtype=torch.float64)
+    for i, ch in enumerate(DIGITS + NONE_CHAR):
+        head[char_id[ch], A + i] = HEAD_GAIN * rho_f
+    return head
+
+
+def _inert_attention(qd: int, D: int, g: torch.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, o) fp64 projections of an inert layer: random q / k / v ([qd, D], std 0.2, drawn
+    from ``g`` in that order: token-specific K/V) and a zero output ([D, qd]: writes nothing)."""
+    f64 = torch.float64
+    q = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
+    kk = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
+    v = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
+    return q, kk, v, torch.zeros(D, qd, dtype=f64)
+
+
 def make_planted_llada(folder: str | Path, *, k: int = 2, n_layers: int = 6, head_dim: int = 32,
                        max_sequence_length: int = 2048, rope_theta: float = 500000.0, seed: int = 0) -> str:
     """Write the planted checkpoint (safe depth ``k``, ``n_layers >= k + 2`` layers) into ``folder``."""
     if k < 0 or n_layers < k + 2:
         raise ValueError(f"need 0 <= k and n_layers >= k + 2, got k={k}, n_layers={n_layers}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder)
+    folder, special, vocab = _start_folder(folder)
     char_id = _char_ids(folder)
-    vocab = 256 + len(SPECIAL_TOKENS)
     lay = planted_layout(k, head_dim)
     D = lay["d_model"]
     n_heads = D // head_dim
@@ -118,43 +163,23 @@ def make_planted_llada(folder: str | Path, *, k: int = 2, n_layers: int = 6, hea
     def block(b: int) -> int:
         return relay + _FEAT * b
 
-    # ---- embedding: every row has the same norm (so RMSNorm scales every token alike)
-    emb = torch.zeros(vocab, D, dtype=f64)
-    emb[:, const] = 1.0
-    digit_of = {char_id[ch]: i for i, ch in enumerate(DIGITS)}
-    for t in range(vocab):
-        cls = digit_of.get(t, N_CLASSES - 1)
-        emb[t, block(0) + cls] = 1.0
-        emb[t, block(0) + N_CLASSES + (0 if t in digit_of else 1)] = 1.0
-    codes = torch.randn(vocab, _CODE, generator=g, dtype=f64)
-    emb[:, code:code + _CODE] = codes / codes.norm(dim=1, keepdim=True)
+    emb = _embedding(vocab, D, const, block(0), code, char_id, g)
     # rms of the residual before the gather (const + class + flag + code: four unit entries)
     rho = math.sqrt(4.0 / D + eps)
     # ... and after it (plus block C, a convex mix of one-hots: norm <= 1)
     rho_c = math.sqrt(5.0 / D + eps)
 
-    inv_freq = [rope_theta ** (-2 * j / head_dim) for j in range(head_dim // 2)]
-    # gather: the slowest pair (cos(angle) ~ 1 over the whole context: position-independent)
-    js = head_dim // 2 - 1
-    # read: the fastest pair whose angle stays below 1 rad over the context (sin is monotone there)
-    jf = min(j for j in range(head_dim // 2) if inv_freq[j] * max_sequence_length <= 1.0)
-    theta_f = inv_freq[jf]
+    js, jf, theta_f = _rope_pairs(head_dim, rope_theta, max_sequence_length)
     read_scale = READ_MARGIN / (theta_f * math.cos(theta_f * max_sequence_length))
 
     sd: dict[str, torch.Tensor] = {"embed.weight": emb, "norm.weight": torch.ones(D, dtype=f64)}
-    head = torch.zeros(vocab, D, dtype=f64)
     rho_f = math.sqrt(6.0 / D + eps)  # const, class, flag, code, C, A
-    for i, ch in enumerate(DIGITS + NONE_CHAR):
-        head[char_id[ch], A + i] = HEAD_GAIN * rho_f
-    sd["lm_head.weight"] = head
+    sd["lm_head.weight"] = _answer_head(vocab, D, A, char_id, rho_f)
 
     qd = n_heads * head_dim
     for li in range(n_layers):
         p = f"layers.{li}."
-        q = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        kk = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        v = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        o = torch.zeros(D, qd, dtype=f64)
+        q, kk, v, o = _inert_attention(qd, D, g)
         gate = torch.zeros(ff, D, dtype=f64)
         up = torch.zeros(ff, D, dtype=f64)
         down = torch.zeros(D, ff, dtype=f64)

@@ -31,8 +31,21 @@ from pathlib import Path
 import torch
 
 from ..models.families import checkpoint_names, parse_model_config
-from . import LLADA_MOE_SPECIAL_TOKENS, save_byte_tokenizer
-from .planted import _CODE, _FEAT, DIGITS, GATHER_SCORE, HEAD_GAIN, N_CLASSES, NONE_CHAR, READ_MARGIN, _char_ids
+from . import LLADA_MOE_SPECIAL_TOKENS, _start_folder
+from .planted import (
+    _CODE,
+    _FEAT,
+    DIGITS,
+    GATHER_SCORE,
+    N_CLASSES,
+    NONE_CHAR,
+    READ_MARGIN,
+    _answer_head,
+    _char_ids,
+    _embedding,
+    _inert_attention,
+    _rope_pairs,
+)
 
 N_EXPERTS = 12  # one per answer class (11), and the relay pair (experts 0 and 1) reuses two of them
 TOP_K = 2
@@ -45,11 +58,8 @@ def make_planted_llada_moe(folder: str | Path, *, k: int = 2, n_layers: int = 6,
     """Write the planted LLaDA-MoE checkpoint (safe depth ``k``, ``n_layers >= k + 2``) into ``folder``."""
     if k < 0 or n_layers < k + 2:
         raise ValueError(f"need 0 <= k and n_layers >= k + 2, got k={k}, n_layers={n_layers}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    special = save_byte_tokenizer(folder, LLADA_MOE_SPECIAL_TOKENS, chat_template=None)
+    folder, special, vocab = _start_folder(folder, LLADA_MOE_SPECIAL_TOKENS, chat_template=None)
     char_id = _char_ids(folder)
-    vocab = 256 + len(LLADA_MOE_SPECIAL_TOKENS)
     # residual layout: const, relay blocks 0..k, C (gathered class), B (read class), A (answer), code
     const, relay = 0, 1
     C = relay + _FEAT * (k + 1)
@@ -78,40 +88,23 @@ def make_planted_llada_moe(folder: str | Path, *, k: int = 2, n_layers: int = 6,
     def block(b: int) -> int:
         return relay + _FEAT * b
 
-    # ---- embedding: every row has the same norm (RMSNorm scales every token alike)
-    emb = torch.zeros(vocab, D, dtype=f64)
-    emb[:, const] = 1.0
-    digit_of = {char_id[ch]: i for i, ch in enumerate(DIGITS)}
-    for t in range(vocab):
-        emb[t, block(0) + digit_of.get(t, N_CLASSES - 1)] = 1.0
-        emb[t, block(0) + N_CLASSES + (0 if t in digit_of else 1)] = 1.0
-    codes = torch.randn(vocab, _CODE, generator=g, dtype=f64)
-    emb[:, code:code + _CODE] = codes / codes.norm(dim=1, keepdim=True)
+    emb = _embedding(vocab, D, const, block(0), code, char_id, g)
     rho = math.sqrt(4.0 / D + eps)  # rms of the residual in the relay layers: four unit entries
     rho_b = math.sqrt(6.0 / D + eps)  # ... entering the read layer's FFN (+ C and B, one-hots)
 
-    inv_freq = [rope_theta ** (-2 * j / head_dim) for j in range(head_dim // 2)]
-    js = head_dim // 2 - 1  # gather: the slowest pair, position-independent over the context
-    jf = min(j for j in range(head_dim // 2) if inv_freq[j] * max_position_embeddings <= 1.0)
-    theta_f = inv_freq[jf]
+    js, jf, theta_f = _rope_pairs(head_dim, rope_theta, max_position_embeddings)
     # read score = sqrt(hd) * wq * wk * sin((i - j) theta_f) for the normalised q = (1, 0), k = (0, 1)
     read_w = math.sqrt(READ_MARGIN / (theta_f * math.cos(theta_f * max_position_embeddings)) / math.sqrt(head_dim))
     gather_w = math.sqrt(GATHER_SCORE / math.sqrt(head_dim))
 
     sd: dict[str, torch.Tensor] = {"embed.weight": emb, "norm.weight": torch.ones(D, dtype=f64)}
-    head = torch.zeros(vocab, D, dtype=f64)
     rho_f = math.sqrt(7.0 / D + eps)  # const, class, flag, code, C, B, A
-    for i, ch in enumerate(DIGITS + NONE_CHAR):
-        head[char_id[ch], A + i] = HEAD_GAIN * rho_f
-    sd["lm_head.weight"] = head
+    sd["lm_head.weight"] = _answer_head(vocab, D, A, char_id, rho_f)
 
     qd, F = n_heads * head_dim, EXPERT_SIZE
     for li in range(n_layers):
         p = f"layers.{li}."
-        q = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        kk = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        v = 0.2 * torch.randn(qd, D, generator=g, dtype=f64)
-        o = torch.zeros(D, qd, dtype=f64)
+        q, kk, v, o = _inert_attention(qd, D, g)
         qn, kn = torch.ones(head_dim, dtype=f64), torch.ones(head_dim, dtype=f64)
         router = torch.zeros(N_EXPERTS, D, dtype=f64)
         experts = [[torch.zeros(F, D, dtype=f64), torch.zeros(F, D, dtype=f64), torch.zeros(D, F, dtype=f64)]
