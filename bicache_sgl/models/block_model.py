@@ -23,19 +23,8 @@ import torch.nn.functional as F
 
 from ..attention.block_causal import block_causal_attention
 from .block_config import BlockModelConfig, block_checkpoint_names, parse_block_config
-from .model import RMSNorm
+from .model import RMSNorm, SwiGLU
 from .spec import CheckpointError
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, d: int, ff: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ff, bias=False)
-        self.up_proj = nn.Linear(d, ff, bias=False)
-        self.down_proj = nn.Linear(ff, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def route(cfg: BlockModelConfig, router_logits: torch.Tensor, expert_bias: torch.Tensor | None
@@ -81,7 +70,7 @@ class MoE(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if cfg.expert_bias else None
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * ff, d), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(E, d, ff), requires_grad=False)
-        self.shared = DenseMLP(d, cfg.shared_intermediate_size * cfg.num_shared_experts) \
+        self.shared = SwiGLU(d, cfg.shared_intermediate_size * cfg.num_shared_experts) \
             if cfg.num_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +116,7 @@ class BlockLayer(nn.Module):
         self.o_proj = nn.Linear(H * hd, d, bias=cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.ffn: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer) else DenseMLP(d, cfg.intermediate_size)
+        self.ffn: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(d, cfg.intermediate_size)
 
 
 @dataclass
