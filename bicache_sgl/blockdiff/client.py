@@ -9,6 +9,11 @@ block emits an event (streaming), with the output cut by the request's stop rule
 multiple of the block length), ``bicache_depth`` (the number of layers when anything was reused:
 reuse is always full depth) and ``reused_prefix_start`` 0.
 
+Logprobs (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
+``return_text_in_logprobs``) are the bidirectional engine's definitions (``blockdiff/logprobs.py``),
+in every event's ``meta_info``; ``max_new_tokens`` 0 is a prefill-only request (the SGLang
+frontend's ``select`` scores its choices with them).
+
 Parameters the block engine does not implement are refused with a message naming the field
 (nothing is accepted and ignored).
 """
@@ -26,11 +31,13 @@ from typing import Any
 import torch
 
 from ..config import DecodeDefaults, EngineConfig, SamplingParams
+from ..decoding.logprobs import Logprobs
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
+from ..scheduler.validate import check_logprob_fields
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
@@ -106,6 +113,7 @@ class _Live:
     ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     reason: dict | None = None
+    logprobs: Logprobs | None = None  # return_logprob: filled on the engine thread
 
 
 class BlockEngineClient:
@@ -251,8 +259,6 @@ class BlockEngineClient:
     def _validate(self, greq: GenerateRequest, on_event: Callable | None) -> _Live:
         cfg = self.model_config
         fam = cfg.family
-        if greq.return_logprob:
-            raise ValueError(f"return_logprob is not supported for block-diffusion models ({fam})")
         if greq.bicache_depth is not None:
             raise ValueError(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at full depth")
         p = greq.params
@@ -268,14 +274,15 @@ class BlockEngineClient:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < cfg.vocab_size for t in ids):
             raise ValueError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})")
-        if p.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1 for block-diffusion models")
+        check_logprob_fields(greq)
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
         if total > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
                              f"{B} is {total} tokens, over the context length {self.context_length}")
-        stops = StopRule(p, self.eos_ids, p.max_new_tokens, Detokenizer(self.tokenizer, p.skip_special_tokens))
-        return _Live(greq.rid, greq, stops, on_event, time.perf_counter())
+        detok = Detokenizer(self.tokenizer, p.skip_special_tokens)
+        stops = StopRule(p, self.eos_ids, p.max_new_tokens, detok)
+        rec = Logprobs(greq.top_logprobs_num, detok, greq.return_text_in_logprobs) if greq.return_logprob else None
+        return _Live(greq.rid, greq, stops, on_event, time.perf_counter(), logprobs=rec)
 
     def _params(self, p: SamplingParams) -> BlockParams:
         temperature = p.temperature if p.temperature is not None else 0.0
@@ -318,7 +325,8 @@ class BlockEngineClient:
         if kind == "submit":
             lv: _Live = arg
             try:
-                lv.erid = self.engine.submit(lv.greq.input_ids, self._params(lv.greq.params))
+                lv.erid = self.engine.submit(lv.greq.input_ids, self._params(lv.greq.params), lv.logprobs,
+                                             lv.greq.logprob_start_len)
             except ValueError as e:
                 self._final(lv, {"type": "abort", "message": str(e)}, error=str(e))
                 return
@@ -381,6 +389,8 @@ class BlockEngineClient:
                       "block_length": meta["block_length"], "forward_passes": meta["forwards"],
                       "tokens_computed": meta["computed_rows"], "computed_layer_tokens": meta["computed_rows"] * L,
                       "skipped_layer_tokens": R * L})
+        if lv.logprobs is not None:
+            m.update(lv.logprobs.meta(len(lv.greq.input_ids), lv.ids))
         return RequestEvent(lv.rid, lv.text, list(lv.ids), finished, reason, m, error)
 
     def _emit(self, lv: _Live, ev: RequestEvent) -> None:

@@ -18,6 +18,12 @@ the longest chain of its whole prompt blocks found in the cache (every layer: de
 reused span is ``[0, R)`` with R a multiple of the block length; the last partial prompt block
 is computed. When a request finishes, every committed block (prompt and answer) is inserted, so a
 next turn that repeats the conversation reuses the answer's blocks too (multi-turn reuse).
+
+Logprobs (``blockdiff/logprobs.py``): a request submitted with a ``Logprobs`` recorder gets each
+output token's logprob at the step that wrote it, and input logprobs from one scoring forward
+(packed into its first step) on a buffer of its own. ``max_new_tokens`` 0 is a prefill-only
+request: one forward that computes the prompt's whole blocks (into the prefix cache) and, with
+logprobs, scores the prompt; it has no output.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding.block import BlockLayout, cut_answer, effective_steps, sample_tokens, select_transfer, transfer_schedule
+from ..decoding.logprobs import Logprobs
 from ..kv_cache.block_prefix import BlockPrefixCache
 from ..models.block_model import BlockDiffusionLM, BlockKV, RowsWork
+from .logprobs import BlockScore, record_written
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,8 @@ class BlockParams:
     max_post_edit_steps: int = 16
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:  # 0: prefill-only (no output)
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
@@ -111,6 +119,12 @@ class _Req:
     computed_rows: int = 0
     finished_blocks: list[list[int]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    logprobs: Logprobs | None = None  # return_logprob: the output (and input) logprob recorder
+    score: BlockScore | None = None  # input logprobs: the scoring forward, until it has run
+
+    @property
+    def generates(self) -> bool:
+        return self.params.max_new_tokens > 0
 
 
 class BlockEngine:
@@ -132,7 +146,11 @@ class BlockEngine:
         self.dtype, self.device = w.dtype, w.device
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: BlockParams = BlockParams()) -> int:
+    def submit(self, prompt: Sequence[int], params: BlockParams = BlockParams(), logprobs: Logprobs | None = None,
+               logprob_start_len: int = -1) -> int:
+        """Queue a request; returns its id. ``logprobs``: record its logprobs there (output
+        logprobs; input logprobs from ``logprob_start_len`` when it is >= 0, or of the whole
+        prompt for a prefill-only request, as the bidirectional engine defines them)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -148,10 +166,14 @@ class BlockEngine:
             steps = effective_steps(steps, params.max_new_tokens, params.minimal_topk)
         x = torch.full((layout.total_length,), self.cfg.mask_token_id, dtype=torch.long)
         x[:len(prompt)] = torch.tensor(prompt)
+        if logprobs is not None and logprob_start_len >= len(prompt):
+            raise ValueError(f"logprob_start_len ({logprob_start_len}) must be < the prompt length ({len(prompt)})")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = _Req(next(self._rids), prompt, params, layout, transfer_schedule(self.B, steps),
                    d.threshold if params.threshold is None else params.threshold, x, None, layout.first_block,
-                   generator=gen)
+                   generator=gen, logprobs=logprobs)
+        if logprobs is not None and (not req.generates or logprob_start_len >= 0):
+            req.score = BlockScore(logprobs, prompt, logprob_start_len, self.cfg.mask_token_id, self.B)
         self.waiting.append(req)
         return req.rid
 
@@ -159,6 +181,7 @@ class BlockEngine:
         while self.waiting and len(self.running) < self.options.max_running:
             r = self.waiting.popleft()
             r.kv = BlockKV.empty(self.cfg, r.layout.total_length, self.dtype, self.device)
+            hit = []
             if self.options.prefix_cache:
                 # whole prompt blocks only: the block holding the prompt's tail is computed
                 hit = self.cache.match(r.prompt, (len(r.prompt) // self.B) * self.B)
@@ -167,6 +190,8 @@ class BlockEngine:
                     r.kv.v[:, b * self.B:(b + 1) * self.B] = v
                 r.reused = len(hit) * self.B
                 r.kv.committed = r.reused
+            if r.score is not None:
+                r.score.admit(self.cfg, hit, self.dtype, self.device)
             self.running.append(r)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -177,9 +202,17 @@ class BlockEngine:
             return []
         work = []
         for r in self.running:
-            start, end = r.kv.committed, (r.block + 1) * self.B
+            # a prefill-only request computes its whole prompt blocks (no logits)
+            start, end = r.kv.committed, (r.block + 1 if r.generates else r.block) * self.B
             work.append(RowsWork(r.x[start:end], start, r.kv, logit_from=r.block * self.B - start))
-        logits = self.model.forward_rows(work)
+        # input logprobs: each new request's scoring rows ride on the same forward
+        scores = [r for r in self.running if r.score is not None and r.score.pending]
+        packed = [w for w in work if w.ids.numel()] + [r.score.work() for r in scores]
+        it = iter(self.model.forward_rows(packed) if packed else [])
+        logits = [next(it) if w.ids.numel() else None for w in work]
+        for r, lg in zip(scores, it):
+            r.computed_rows += r.score.rows
+            r.score.take(lg)
         finished = []
         for r, w, lg in zip(self.running, work, logits):
             r.forwards += 1
@@ -189,7 +222,15 @@ class BlockEngine:
                 # the prompt's whole blocks are final after the first forward: cache them now, so
                 # requests admitted later share them while this one still decodes
                 self.cache.insert(r.prompt, min(r.kv.committed, (len(r.prompt) // self.B) * self.B), r.kv.k, r.kv.v)
-            if self._apply(r, lg):
+            if not r.generates:
+                finished.append(r)
+                continue
+            a = r.block * self.B
+            before = r.x[a:a + self.B].clone() if r.logprobs is not None else None
+            done = self._apply(r, lg)
+            if before is not None:
+                record_written(r.logprobs, lg, before, r.x[a:a + self.B], a, r.params.top_k, r.params.top_p)
+            if done:
                 finished.append(r)
         for r in finished:
             self.running.remove(r)

@@ -53,7 +53,7 @@ class Logprobs:
         """The scoring forward's logits [len(targets), V] of the planned positions."""
         report, targets = self._scoring
         lsm = torch.log_softmax(lg.double(), dim=-1)
-        tgt = torch.tensor([prompt[t] for t in targets], dtype=torch.long)
+        tgt = torch.tensor([prompt[t] for t in targets], dtype=torch.long, device=lsm.device)
         vals = lsm.gather(-1, tgt[:, None])[:, 0].tolist()
         k = self.top_n
         if k > 0:

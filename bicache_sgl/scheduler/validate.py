@@ -71,6 +71,15 @@ def kv_lengths(prompt_len: int, gen_len: int, cfg_scale: float, return_logprob: 
     return n
 
 
+def check_logprob_fields(greq: GenerateRequest) -> None:
+    """The logprob knobs of a request (both engines): a start inside the prompt, k >= 0."""
+    n = len(greq.input_ids)
+    if greq.return_logprob and greq.logprob_start_len >= n:
+        raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({n})")
+    if greq.top_logprobs_num < 0:
+        raise ValueError("top_logprobs_num must be >= 0")
+
+
 def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidRequest:
     """Raise ValueError naming what is wrong, else the request as the engine will run it."""
     ids, V = greq.input_ids, limits.vocab_size
@@ -104,10 +113,7 @@ def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidReque
         # ids outside the vocabulary can never be generated: accepted (as SGLang does) and dropped,
         # since the stop set also bans its members from early positions by index
         params = params.replace(stop_token_ids=tuple(t for t in params.stop_token_ids if t < V))
-    if greq.return_logprob and greq.logprob_start_len >= len(ids):
-        raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({len(ids)})")
-    if greq.top_logprobs_num < 0:
-        raise ValueError("top_logprobs_num must be >= 0")
+    check_logprob_fields(greq)
     if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= limits.n_layers:
         raise ValueError(f"bicache_depth must be in [0, {limits.n_layers}]")
     bad = [t for t, _ in params.logit_bias if t >= V]
