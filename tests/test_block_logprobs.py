@@ -108,6 +108,16 @@ def test_output_logprobs_equal_the_reference_at_the_writing_step(folders, name, 
     assert moved > 1e-3
 
 
+def test_output_logprobs_follow_the_top_k_filter(folders):
+    """Sampling with top_k 1 keeps only the most likely token: its logprob in the filtered
+    distribution (the one reported, as the bidirectional engine does) is exactly 0 (unfiltered,
+    about -4 on this model)."""
+    model = load_block_model(folders["llada2"])
+    prompt = _ids(6, 4)
+    res, rec = _run(BlockEngine(model), prompt, BlockParams(max_new_tokens=6, temperature=1.0, top_k=1, seed=0))
+    assert [e[0] for e in rec.meta(6, res.tokens)["output_token_logprobs"]] == [0.0] * 6
+
+
 @pytest.mark.parametrize("name", ["llada2", "sdar"])
 @pytest.mark.parametrize("start", [-1, 0, 5, 8, 10])
 def test_input_logprobs_equal_the_reference_scoring_forward(folders, name, start):
