@@ -135,6 +135,26 @@ def test_the_algorithm_config_file_sets_the_thresholds(folder, tmp_path, suffix)
     assert got != [_restated(model, ids, 0.5, 0.0, 16)[0] for ids in prompts]
 
 
+def test_the_http_server_reports_and_runs_the_chosen_algorithm(folder, tmp_path):
+    """SGLang's launch line as a real server process: /get_server_info shows the flags and the
+    decoding the model runs; /generate answers with it."""
+    from bicache_sgl.runtime import Runtime, http_json
+    f = tmp_path / "algo.yaml"
+    f.write_text("".join(f"{k}: {v}\n" for k, v in zip(("threshold", "edit_threshold", "max_post_edit_steps"), JOINT)))
+    prompt = _prompts()[0]
+    with Runtime(model_path=folder, dllm_algorithm="JointThreshold", dllm_algorithm_config=str(f),
+                 trust_remote_code=True, tp_size=1, num_threads=1, timeout=120) as rt:
+        info = rt.get_server_info()
+        out = http_json(f"{rt.url}/generate", {"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": G, "temperature": 0, "ignore_eos": True}})
+    assert (info["dllm_algorithm"], info["dllm_algorithm_config"]) == ("joint_threshold", str(f))
+    assert info["internal_states"][0]["decoding"] == {
+        "algorithm": "joint_threshold", "sglang_name": "JointThreshold",
+        "source": "--dllm-algorithm + --dllm-algorithm-config", "block_length": B, "threshold": JOINT[0],
+        "edit_threshold": JOINT[1], "max_post_edit_steps": JOINT[2]}
+    assert out["output_ids"] == _restated(load_block_model(folder), prompt, *JOINT)[0]
+
+
 def test_a_low_confidence_config_file_sets_its_threshold(folder, tmp_path):
     f = tmp_path / "lc.yaml"
     f.write_text("threshold: 0.015\nblock_size: 4\n")
