@@ -27,9 +27,16 @@ REMASKING = ("low_confidence", "random")
 # per-block linear schedule, and Dream's four (``diffusion_generate``), on its timestep schedule.
 LLADA_ALGORITHMS = REMASKING
 DREAM_ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-ALGORITHMS = LLADA_ALGORITHMS + DREAM_ALGORITHMS
-# other spellings accepted for an algorithm name (SGLang's dLLM algorithm class name)
-_ALGORITHM_ALIASES = {"lowconfidence": "low_confidence"}
+# the bidirectional engine runs these (any bidirectional family, unless its module narrows them)
+BIDIRECTIONAL_ALGORITHMS = LLADA_ALGORITHMS + DREAM_ALGORITHMS
+# LLaDA2.1's token editing (SGLang's JointThreshold), run by the block-diffusion engine only: which
+# family accepts which algorithm is the family's declaration (models/families, FamilyDecoding)
+BLOCK_ALGORITHMS = ("low_confidence", "joint_threshold")
+# every algorithm name a flag or a request may give
+ALGORITHMS = BIDIRECTIONAL_ALGORITHMS + ("joint_threshold",)
+# other spellings accepted for an algorithm name (SGLang's dLLM algorithm class names)
+_ALGORITHM_ALIASES = {"lowconfidence": "low_confidence", "jointthreshold": "joint_threshold"}
+SGLANG_ALGORITHM_NAMES = {"low_confidence": "LowConfidence", "joint_threshold": "JointThreshold"}
 DEFAULT_EPS = 1e-3  # Dream's diffusion_generate default
 CACHE_MODES = ("none", "prefix", "dual")
 # rows a dual-cache block step computes: the whole block (Fast-dLLM), or only the positions still
@@ -413,9 +420,19 @@ class DecodeDefaults:
     # None below: the checkpoint's generation_config.json value, else the built-in (low_confidence,
     # DEFAULT_EPS, 0); resolved per request in decoding/plan.py (DecodePlan.resolve)
     dllm_algorithm: str | None = option(
-        None, f"Unmasking algorithm, for LLaDA and Dream alike: {', '.join(ALGORITHMS)} (SGLang's LowConfidence "
-              "= low_confidence). Default: the checkpoint's generation_config.json 'alg', else low_confidence. "
-              "Requests override it with sampling_params.dllm_algorithm.")
+        None, f"Unmasking algorithm (any case; SGLang's LowConfidence = low_confidence, JointThreshold = "
+              f"joint_threshold). LLaDA, LLaDA-MoE and Dream: {', '.join(BIDIRECTIONAL_ALGORITHMS)}; default: the "
+              "checkpoint's generation_config.json 'alg', else low_confidence; requests override it with "
+              "sampling_params.dllm_algorithm. LLaDA2.x: low_confidence (LLaDA2.0's threshold rule) or "
+              "joint_threshold (LLaDA2.1's token editing); SDAR: low_confidence (its low_confidence_dynamic); "
+              "default: joint_threshold when the checkpoint's generation_config.json sets an edit threshold, "
+              "else low_confidence (docs/block_diffusion.md, section 5).")
+    dllm_algorithm_config: str | None = option(
+        None, "SGLang's algorithm config: a YAML or JSON file of the chosen --dllm-algorithm's parameters "
+              "(LowConfidence: threshold, block_size; JointThreshold: threshold, edit_threshold, "
+              "max_post_edit_steps, penalty_lambda (0 only), block_size). block_size must be the model's block "
+              "length. Block-diffusion families (LLaDA2.x, SDAR) only; the other families take --threshold and "
+              "--block-length.")
     dllm_eps: float | None = option(
         None, f"Dream's schedule: the last timestep (default: generation_config.json, else {DEFAULT_EPS:g}).")
     dllm_alg_temp: float | None = option(
@@ -424,6 +441,9 @@ class DecodeDefaults:
 
     def __post_init__(self) -> None:
         check_decode_knobs(self, required=("block_length", "cache_mode", "refresh_interval", "step_rows"))
+        check(self.dllm_algorithm_config is None or (isinstance(self.dllm_algorithm_config, str)
+                                                     and self.dllm_algorithm_config != ""),
+              f"dllm_algorithm_config must be a file path, got {self.dllm_algorithm_config!r}")
         check(self.step_rows == "block" or self.cache_mode == "dual",
               f"step_rows {self.step_rows!r} needs cache_mode 'dual' (got {self.cache_mode!r})")
 

@@ -342,7 +342,7 @@ def test_request_parameters_and_errors():
         SamplingParams.from_dict({"eps": 0.01, "dllm_eps": 0.02})
     assert SamplingParams.from_dict({"dllm_algorithm": "LowConfidence"}).dllm_algorithm == "low_confidence"
     with pytest.raises(ValueError) as e:
-        SamplingParams.from_dict({"dllm_algorithm": "joint_threshold"})
+        SamplingParams.from_dict({"dllm_algorithm": "speculative"})
     assert all(a in str(e.value) for a in ALGORITHMS)
     for bad in ({"eps": 0}, {"eps": 1.5}, {"alg_temp": -1}, {"eps": "x"}):
         with pytest.raises(ValueError, match="eps|alg_temp"):
@@ -368,9 +368,9 @@ def test_server_flags(capsys):
     assert (d.dllm_algorithm, d.dllm_eps, d.dllm_alg_temp) == (None, None, None)
     assert parse_args(["--remasking", "random"]).engine_config().decode.dllm_algorithm == "random"
     with pytest.raises(SystemExit):
-        parse_args(["--dllm-algorithm", "JointThreshold"])
+        parse_args(["--dllm-algorithm", "Speculative"])
     err = capsys.readouterr().err
-    assert "--dllm-algorithm JointThreshold is not implemented" in err and "topk_margin" in err
+    assert "--dllm-algorithm Speculative is not implemented" in err and "topk_margin" in err
     with pytest.raises(SystemExit):
         parse_args(["--dllm-eps", "2"])
 

@@ -73,8 +73,7 @@ def test_bad_flags_exit(argv):
     (["--tp-size", "2"], "tensor parallelism is not implemented; use --tp-size 1"),
     (["--tensor-parallel-size", "4"], "tensor parallelism is not implemented; use --tp-size 1"),
     (["--dp-size", "0"], "--dp-size must be >= 1"),
-    (["--dllm-algorithm", "JointThreshold"], "--dllm-algorithm JointThreshold is not implemented"),
-    (["--dllm-algorithm-config", "algo.yaml"], "--dllm-algorithm-config is not implemented")])
+    (["--dllm-algorithm", "Speculative"], "--dllm-algorithm Speculative is not implemented")])
 def test_unimplemented_flags_stop_the_launch(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -85,6 +84,10 @@ def test_sglang_flags_with_their_single_device_values_are_accepted():
     a = parse_args(["--tp-size", "1", "--dp-size", "1", "--dllm-algorithm", "LowConfidence", "--remasking", "random",
                     "--trust-remote-code", "--enable-metrics"])
     assert a.decode.dllm_algorithm == "low_confidence" and a.ignored_args == ()
+    # LLaDA2.1's (the family at startup decides whether the model runs it: tests/test_block_editing.py)
+    a = parse_args(["--dllm-algorithm", "JointThreshold", "--dllm-algorithm-config", "algo.yaml"])
+    assert (a.decode.dllm_algorithm, a.decode.dllm_algorithm_config) == ("joint_threshold", "algo.yaml")
+    assert a.public_dict()["dllm_algorithm_config"] == "algo.yaml"
 
 
 def test_context_length_units():

@@ -38,6 +38,7 @@ from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.validate import check_logprob_fields
+from .algorithm import choose_algorithm
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
@@ -62,16 +63,21 @@ _REFUSED = {
 }
 
 
-def is_block_checkpoint(path: str) -> bool:
-    """True when the folder's config.json names a block-diffusion family (LLaDA2, SDAR)."""
+def block_family(path: str) -> str | None:
+    """'llada2' / 'sdar' when the folder's config.json names a block-diffusion family, else None."""
     import json
 
     from ..models.block_config import detect_block_family
     f = Path(path) / "config.json"
     try:
-        return detect_block_family(json.loads(f.read_text())) is not None
+        return detect_block_family(json.loads(f.read_text()))
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def is_block_checkpoint(path: str) -> bool:
+    """True when the folder's config.json names a block-diffusion family (LLaDA2, SDAR)."""
+    return block_family(path) is not None
 
 
 def check_engine_flags(cfg: EngineConfig, family: str) -> None:
@@ -93,7 +99,7 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
                              "profile or audit (exact block reuse); --max-running-requests and "
                              "--max-prefix-cache-tokens size it")
     d, dd = cfg.decode, DecodeDefaults()
-    for name in ("cache_mode", "refresh_interval", "step_rows", "dllm_algorithm", "dllm_eps", "dllm_alg_temp"):
+    for name in ("cache_mode", "refresh_interval", "step_rows", "dllm_eps", "dllm_alg_temp"):
         if getattr(d, name) != getattr(dd, name):
             raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: it decodes with its published "
                              "per-block rule and its exact block K/V cache")
@@ -135,20 +141,29 @@ class BlockEngineClient:
             raise ValueError(f"--dtype {config.dtype!r}: choose auto or one of {sorted(DTYPE_MAP)}")
         dd = DecodeDefaults()
         d = config.decode
+        # --dllm-algorithm / --dllm-algorithm-config, checked against the family before loading
+        from ..models.families import family_named
+        family = block_family(self.model_path)
+        if family is None:
+            raise ValueError(f"{self.model_path}: config.json names no block-diffusion family (LLaDA2.x, SDAR)")
+        decoding = family_named(family).decoding
+        self.algorithm = choose_algorithm(decoding, d.dllm_algorithm, d.dllm_algorithm_config)
         # the server's decode flags apply when set away from their (bidirectional engine's)
         # defaults; the checkpoint's published defaults otherwise
         self.model = load_block_model(self.model_path, dtype=dtype, device=device,
-                                      block_length=d.block_length if d.block_length != dd.block_length else None)
+                                      block_length=d.block_length if d.block_length != dd.block_length else None,
+                                      decode_defaults=self.algorithm.defaults,
+                                      decode_overrides=self.algorithm.overrides)
         self.model_config = cfg = self.model.cfg
         check_engine_flags(config, cfg.family)
         if config.attention_backend == "flashinfer":
             self._use_flashinfer(device, dtype)
         self.default_threshold = d.threshold if d.threshold != dd.threshold else None
         self.default_steps = d.steps_per_block
+        self.algorithm.check_model(cfg.decode, decoding, self.default_threshold, self.default_steps)
         self.tokenizer = load_tokenizer(config.tokenizer_path or self.model_path, config.chat_template)
         # config.json's EOS ids, the family's end-of-turn tokens in this vocabulary and the
         # tokenizer's EOS (as the bidirectional engine's loader does): the server's end ids
-        from ..models.families import family_named
         vocab = self.tokenizer.get_vocab()
         eos = set(cfg.eos_token_ids)
         eos.update(int(vocab[t]) for t in family_named(cfg.family).end_of_turn if t in vocab)
@@ -172,8 +187,9 @@ class BlockEngineClient:
                        "computed_rows_total": 0, "prompt_tokens_total": 0}
         self._thread = threading.Thread(target=self._loop, name="bicache-block-engine", daemon=True)
         self._thread.start()
-        log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s)", self.model_path,
-                 cfg.family, B, cfg.n_layers, "exact whole blocks" if config.prefix_cache != "off" else "off")
+        log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s; decoding %s)",
+                 self.model_path, cfg.family, B, cfg.n_layers,
+                 "exact whole blocks" if config.prefix_cache != "off" else "off", self.algorithm.describe(cfg.decode))
 
     def _use_flashinfer(self, device: torch.device, dtype: torch.dtype) -> None:
         """Block-causal attention on FlashInfer (CUDA); kernels that do not take this model's dtype
@@ -237,6 +253,7 @@ class BlockEngineClient:
             "prefix_reuse_rule": "exact-block", "block_length": self.model_config.decode.block_length,
             "block_prefix_cache_blocks": self.engine.cache.n_blocks, "cached_tokens_total": st["cached_tokens_total"],
             "prompt_tokens_total": st["prompt_tokens_total"], "computed_rows_total": st["computed_rows_total"],
+            "decoding": self.algorithm.describe(self.model_config.decode),
         }
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -269,6 +286,10 @@ class BlockEngineClient:
         if p.block_length is not None and p.block_length != B:
             raise ValueError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the exact "
                              f"block cache is keyed by it), got {p.block_length}")
+        if p.steps_per_block is not None and cfg.decode.edit_threshold is not None:
+            raise ValueError("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token editing), "
+                             "which has no step schedule (a block takes at most block_length + "
+                             "max_post_edit_steps steps)")
         ids = list(greq.input_ids)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -12,10 +12,12 @@ import numpy as np
 
 from ..config import (
     ALGORITHMS,
+    BIDIRECTIONAL_ALGORITHMS,
     DEFAULT_EPS,
     DREAM_ALGORITHMS,
     LLADA_ALGORITHMS,
     REMASKING,
+    SGLANG_ALGORITHM_NAMES,
     DecodeDefaults,
     SamplingParams,
 )
@@ -31,8 +33,10 @@ class AlgorithmSpec:
 
     ``schedule``: the step schedule, which picks the denoiser (``decoding.denoiser.DENOISERS``):
     "llada" (each block's steps unmask an even share of its masked positions) or "dream" (Dream's
-    timestep schedule). Not to be confused with a checkpoint family (``models.families``): any
-    family may run any algorithm it accepts (:class:`FamilyDecoding`)."""
+    timestep schedule); "block": run by the block-diffusion engine only (``blockdiff``: LLaDA2.1's
+    joint_threshold), which no bidirectional family accepts, so no plan of the bidirectional
+    engine has it. Not to be confused with a checkpoint family (``models.families``): any family
+    may run any algorithm it accepts (:class:`FamilyDecoding`)."""
 
     name: str
     schedule: str
@@ -42,7 +46,8 @@ class AlgorithmSpec:
 
 ALGORITHM_SPECS: Mapping[str, AlgorithmSpec] = MappingProxyType(
     {a: AlgorithmSpec(a, "llada", None, a == "low_confidence") for a in LLADA_ALGORITHMS}
-    | {a: AlgorithmSpec(a, "dream", MAX_DREAM_STEPS, False) for a in DREAM_ALGORITHMS})
+    | {a: AlgorithmSpec(a, "dream", MAX_DREAM_STEPS, False) for a in DREAM_ALGORITHMS}
+    | {"joint_threshold": AlgorithmSpec("joint_threshold", "block", None, False)})
 
 
 @dataclass(frozen=True)
@@ -53,18 +58,33 @@ class FamilyDecoding:
 
     family: str = ""
     default_algorithm: str = "low_confidence"
-    algorithms: tuple[str, ...] = ALGORITHMS
+    algorithms: tuple[str, ...] = BIDIRECTIONAL_ALGORITHMS
+    # whether it takes SGLang's --dllm-algorithm-config file (the block-diffusion families)
+    algorithm_config: bool = False
 
     def __post_init__(self) -> None:
-        unknown = [a for a in (self.default_algorithm, *self.algorithms) if a not in ALGORITHM_SPECS]
+        unknown = [a for a in (self.default_algorithm, *self.algorithms) if a not in ALGORITHMS]
         if unknown:
             raise ValueError(f"family {self.family!r}: unknown decoding algorithm(s) {unknown}")
         if self.default_algorithm not in self.algorithms:
             raise ValueError(f"family {self.family!r}: its default algorithm {self.default_algorithm!r} is not one "
                              f"it accepts {self.algorithms}")
 
+    def check_flags(self, algorithm: str | None, algorithm_config: str | None = None) -> None:
+        """The server's ``--dllm-algorithm`` (a canonical name; None: not given) and
+        ``--dllm-algorithm-config`` against what the family accepts: a startup error (ValueError)
+        naming the flag and the valid values otherwise."""
+        if algorithm is not None and algorithm not in self.algorithms:
+            valid = ", ".join(f"{a} ({SGLANG_ALGORITHM_NAMES[a]})" if a in SGLANG_ALGORITHM_NAMES else a
+                              for a in self.algorithms)
+            raise ValueError(f"--dllm-algorithm {SGLANG_ALGORITHM_NAMES.get(algorithm, algorithm)}: the "
+                             f"{self.family} family does not run {algorithm}; valid: {valid}")
+        if algorithm_config is not None and not self.algorithm_config:
+            raise ValueError(f"--dllm-algorithm-config applies to the block-diffusion families (LLaDA2.x, SDAR); "
+                             f"the {self.family} family takes --threshold, --block-length and --steps-per-block")
 
-# no family's constraints: the built-in default algorithm, every algorithm accepted
+
+# no family's constraints: the built-in default algorithm, every bidirectional algorithm accepted
 ANY_FAMILY = FamilyDecoding()
 
 

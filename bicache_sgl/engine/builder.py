@@ -29,6 +29,7 @@ from ..kv_cache.manager import CacheManager, make_cache_manager
 from ..kv_cache.memory import GiB, MemoryPlan, plan_memory
 from ..kv_cache.pool import KVPool
 from ..models.config import ModelConfig
+from ..models.families import family_decoding
 from ..scheduler.factory import RequestFactory
 from ..scheduler.scheduler import Admission, Scheduler
 from .model_runner import LoadedModel, ModelRunner, load
@@ -86,6 +87,8 @@ def build_parts(cfg: EngineConfig, *, measure: Callable[..., Any] | None = None)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     loaded = load(cfg)
+    # --dllm-algorithm / --dllm-algorithm-config against what the checkpoint's family runs
+    family_decoding(loaded.model_config).check_flags(cfg.decode.dllm_algorithm, cfg.decode.dllm_algorithm_config)
     # a file, or ("auto": the default without one beside the model) calibrated now on this very
     # model through a measurement engine (no second copy of the weights), cached on disk
     # (bicache_sgl/calibration/auto.py)

@@ -41,8 +41,9 @@ class BlockDecodeDefaults:
     threshold: float
     minimal_topk: int = 1
     cap_steps_by_gen_length: bool = True  # LLaDA2: steps = min(steps, gen_length // minimal_topk); SDAR: no cap
-    # LLaDA2.1's token editing (None: off); set from generation_config.json (edit_threshold /
-    # editing_threshold, max_post_edit_steps / max_post_steps)
+    # LLaDA2.1's token editing (None: off); set by --dllm-algorithm JointThreshold (and its
+    # --dllm-algorithm-config) or generation_config.json (edit_threshold / editing_threshold,
+    # max_post_edit_steps / max_post_steps). SGLang's convention: 0.0 allows every edit
     edit_threshold: float | None = None
     max_post_edit_steps: int = 16
 
@@ -55,6 +56,12 @@ class BlockDecodeDefaults:
             raise ValueError(f"edit_threshold must be in [0, 1], got {self.edit_threshold}")
         if self.max_post_edit_steps < 0:
             raise ValueError(f"max_post_edit_steps must be >= 0, got {self.max_post_edit_steps}")
+
+    @property
+    def algorithm(self) -> str:
+        """The rule these defaults run (config.BLOCK_ALGORITHMS): ``joint_threshold`` (LLaDA2.1's
+        token editing) when an edit threshold is set, else ``low_confidence``."""
+        return "low_confidence" if self.edit_threshold is None else "joint_threshold"
 
 
 # LLaDA2 (published modeling file's generate(): block_length 32, steps 32, threshold 0.95,

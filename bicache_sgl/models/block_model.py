@@ -14,8 +14,10 @@ names (the current block, plus a just-finished block whose final K/V is being co
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -263,38 +265,46 @@ def with_block_length(cfg: BlockModelConfig, block_length: int) -> BlockModelCon
     return dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, block_length=block_length))
 
 
-def _with_generation_defaults(cfg: BlockModelConfig, path: Path) -> BlockModelConfig:
+def _with_generation_defaults(cfg: BlockModelConfig, path: Path, below: Mapping[str, Any],
+                              above: Mapping[str, Any]) -> BlockModelConfig:
     """The decode defaults with any ``block_length`` / ``steps`` / ``threshold`` (and LLaDA2.1's
     ``edit_threshold`` / ``editing_threshold``, ``max_post_edit_steps`` / ``max_post_steps``) that the
-    checkpoint's generation_config.json sets (a bad value is a CheckpointError naming it)."""
+    checkpoint's generation_config.json sets (a bad value is a CheckpointError naming it), over
+    ``below`` (the chosen algorithm's own defaults) and under ``above`` (the server's flags)."""
     import dataclasses
-    if not path.exists():
-        return cfg
-    try:
-        gen = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(gen, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    changes = {k: gen[k] for k in ("block_length", "steps", "threshold") if gen.get(k) is not None}
-    for ours, names in (("edit_threshold", ("edit_threshold", "editing_threshold")),
-                        ("max_post_edit_steps", ("max_post_edit_steps", "max_post_steps"))):
-        for n in names:
-            if gen.get(n) is not None:
-                changes[ours] = gen[n]
+    changes = dict(below)
+    if path.exists():
+        try:
+            gen = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(gen, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+        from_gen = {k: gen[k] for k in ("block_length", "steps", "threshold") if gen.get(k) is not None}
+        for ours, names in (("edit_threshold", ("edit_threshold", "editing_threshold")),
+                            ("max_post_edit_steps", ("max_post_edit_steps", "max_post_steps"))):
+            for n in names:
+                if gen.get(n) is not None:
+                    from_gen[ours] = gen[n]
+        try:
+            dataclasses.replace(cfg.decode, **from_gen)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        changes.update(from_gen)
+    changes.update(above)
     if not changes:
         return cfg
-    try:
-        decode = dataclasses.replace(cfg.decode, **changes)
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: {e}") from e
-    return dataclasses.replace(cfg, decode=decode)
+    return dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, **changes))
 
 
 def load_block_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     block_length: int | None = None) -> BlockDiffusionLM:
+                     block_length: int | None = None, *, decode_defaults: Mapping[str, Any] | None = None,
+                     decode_overrides: Mapping[str, Any] | None = None) -> BlockDiffusionLM:
     """A LLaDA2 / SDAR checkpoint folder (config.json + safetensors, single or sharded) -> model.
-    CheckpointError names a missing or misshapen tensor."""
+    CheckpointError names a missing or misshapen tensor. The decode defaults (``BlockDecodeDefaults``
+    fields), lowest first: the family's published ones, ``decode_defaults`` (the server's chosen
+    algorithm's own, e.g. SGLang's JointThreshold defaults), the checkpoint's generation_config.json,
+    ``decode_overrides`` (the server's flags and algorithm config), then ``block_length``."""
     from safetensors import safe_open
     folder = Path(folder)
     try:
@@ -302,7 +312,8 @@ def load_block_model(folder: str | Path, dtype: torch.dtype = torch.float32, dev
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {folder / 'config.json'}: {e}") from e
     cfg = parse_block_config(raw, name=folder.name)
-    cfg = _with_generation_defaults(cfg, folder / "generation_config.json")
+    cfg = _with_generation_defaults(cfg, folder / "generation_config.json", decode_defaults or {},
+                                    decode_overrides or {})
     if block_length is not None:
         cfg = with_block_length(cfg, block_length)
     files = sorted(folder.glob("*.safetensors"))

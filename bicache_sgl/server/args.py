@@ -207,10 +207,6 @@ _COMPAT_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
      {"default": None, "choices": REMASKING,
       "help": "LLaDA's algorithms (default low_confidence): the same setting as --dllm-algorithm, which names "
               "all of them and wins when both are given."}),
-    (("--dllm-algorithm-config",),
-     {"default": None,
-      "help": "Not implemented (a startup error if given): set --block-length, --threshold, --steps-per-block "
-              "instead."}),
 )
 
 
@@ -335,9 +331,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
                          "--host/--port, its workers are the --dp-size servers, and --router-policy picks the policy")
     if router_extra and ns.dp_size == 1:
         logger.warning("ignoring router flags without --dp-size > 1: %s", " ".join(redact_unknown(router_extra)))
-    if ns.dllm_algorithm_config is not None:
-        parser.error("--dllm-algorithm-config is not implemented; set the decoding with --block-length, "
-                     "--threshold and --steps-per-block instead")
     # --remasking is the LLaDA-only spelling of --dllm-algorithm (which wins); either, given, is a
     # server flag above the checkpoint's generation_config.json
     algorithm = ns.remasking
@@ -346,7 +339,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
             algorithm = canonical_algorithm(ns.dllm_algorithm)
         except ValueError:
             parser.error(f"--dllm-algorithm {ns.dllm_algorithm} is not implemented; valid: {', '.join(ALGORITHMS)} "
-                         "(SGLang's LowConfidence = low_confidence)")
+                         "(any case; SGLang's LowConfidence = low_confidence, JointThreshold = joint_threshold; which "
+                         "of them a model runs is its family's: docs/server.md)")
     try:
         args = ServerArgs(**flag_values(ns, ServerArgs, attention_backend=backend, dllm_algorithm=algorithm,
                                         router_extra_args=tuple(router_extra), ignored_args=tuple(unknown)))

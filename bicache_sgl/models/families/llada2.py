@@ -2,12 +2,16 @@
 ``llada2_moe``. Block-causal attention (blocks from position 0), fused query_key_value, QK-norm,
 partial rotary; MoE FFN with sigmoid scores + expert bias, grouped top-k, shared experts and a
 routed scaling factor after ``first_k_dense_replace`` dense layers. Served by the block-diffusion
-engine (``bicache_sgl/blockdiff``) with its published per-block threshold decoding; prefix reuse
-is exact (whole blocks, full depth). docs/block_diffusion.md.
+engine (``bicache_sgl/blockdiff``) with its published per-block threshold decoding
+(``low_confidence``, SGLang's LowConfidence, the default) or LLaDA2.1's token editing
+(``joint_threshold``, SGLang's JointThreshold: ``--dllm-algorithm JointThreshold``, or the
+checkpoint's generation_config.json); both take ``--dllm-algorithm-config``. Prefix reuse is exact
+(whole blocks, full depth). docs/block_diffusion.md.
 """
 
 from __future__ import annotations
 
+from ...config import BLOCK_ALGORITHMS
 from ...decoding.plan import FamilyDecoding
 from ..block_config import LLADA2_ARCHS
 from . import _block
@@ -16,5 +20,6 @@ from .base import Family
 NAME = "llada2"
 
 FAMILY = Family(name=NAME, architectures=LLADA2_ARCHS, model_types=("llada2_moe",), parse=_block.parse,
-                tensor_names=_block.tensor_names, decoding=FamilyDecoding(NAME, "low_confidence", ("low_confidence",)),
+                tensor_names=_block.tensor_names,
+                decoding=FamilyDecoding(NAME, "low_confidence", BLOCK_ALGORITHMS, algorithm_config=True),
                 prefix_reuse="exact")
