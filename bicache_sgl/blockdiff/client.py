@@ -9,8 +9,14 @@ block emits an event (streaming), with the output cut by the request's stop rule
 multiple of the block length), ``bicache_depth`` (the number of layers when anything was reused:
 reuse is always full depth) and ``reused_prefix_start`` 0.
 
-Parameters the block engine does not implement are refused with a message naming the field
-(nothing is accepted and ignored).
+Logit bias, penalties, min-p, ``min_new_tokens``, ``ignore_eos`` and regex / JSON-schema
+constraints are the bidirectional engine's own processors applied to the current block
+(``blockdiff/sampling.py``); the constraint is compiled here (``scheduler.factory.
+request_constraint``, on the server's submit thread), and a finished output that does not fully
+match it is reported as an abort, never as a match. ``n`` > 1 reaches this client as n requests
+(the server expands it); a request without ``seed`` samples from a counter advanced by every
+submitted request, as the bidirectional engine seeds it. Parameters the block engine does not
+implement are refused with a message naming the field (nothing is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from typing import Any
 import torch
 
 from ..config import DecodeDefaults, EngineConfig, SamplingParams
+from ..constrained import Constraint
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
+from ..scheduler.factory import request_constraint
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
@@ -41,17 +49,12 @@ DEFAULT_CACHE_TOKENS = 65536
 
 # SamplingParams fields the block engine leaves at their defaults: field -> (default, why)
 _REFUSED = {
-    "min_new_tokens": (0, "min_new_tokens"),
-    "n": (1, "n > 1 (send the request n times)"),
     "steps": (None, "steps (the total over the generation region); block-diffusion models take steps_per_block"),
     "dllm_algorithm": (None, "dllm_algorithm (block-diffusion models decode with their published per-block "
                              "threshold unmasking)"),
     "dllm_eps": (None, "eps"), "dllm_alg_temp": (None, "alg_temp"), "cfg_scale": (0.0, "cfg_scale"),
     "cache_mode": (None, "cache_mode (block-diffusion models always use their exact block K/V cache)"),
     "refresh_interval": (None, "refresh_interval"), "step_rows": (None, "step_rows"),
-    "frequency_penalty": (0.0, "frequency_penalty"), "presence_penalty": (0.0, "presence_penalty"),
-    "repetition_penalty": (1.0, "repetition_penalty"), "min_p": (0.0, "min_p"), "logit_bias": ((), "logit_bias"),
-    "regex": (None, "regex (structured generation)"), "json_schema": (None, "json_schema (structured generation)"),
 }
 
 
@@ -106,6 +109,7 @@ class _Live:
     ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     reason: dict | None = None
+    constraint: Constraint | None = None
 
 
 class BlockEngineClient:
@@ -152,12 +156,13 @@ class BlockEngineClient:
         cache_blocks = (config.max_prefix_cache_tokens or DEFAULT_CACHE_TOKENS) // B
         self.engine = BlockEngine(self.model, BlockEngineOptions(
             prefix_cache=config.prefix_cache != "off", cache_output=True, cache_blocks=cache_blocks,
-            max_running=config.max_running_requests))
+            max_running=config.max_running_requests, eos_ids=self.eos_ids))
         self.engine.on_block = self._on_block
         self._live: dict[str, _Live] = {}
         self._by_erid: dict[int, _Live] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._pending_finish: list[int] = []
+        self._seed = 0  # advanced by every submitted request (engine thread): unseeded requests' seeds
         self._cond = threading.Condition()
         self._stop = False
         self._stats = {"finished": {"stop": 0, "length": 0, "abort": 0}, "cached_tokens_total": 0,
@@ -270,23 +275,39 @@ class BlockEngineClient:
             raise ValueError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})")
         if p.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1 for block-diffusion models")
+        if p.n != 1:
+            raise ValueError("n: an engine request is one sample (the server and the OpenAI routes send n > 1 as n "
+                             "requests)")
+        bad = [t for t, _ in p.logit_bias if t >= cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
         if total > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
                              f"{B} is {total} tokens, over the context length {self.context_length}")
-        stops = StopRule(p, self.eos_ids, p.max_new_tokens, Detokenizer(self.tokenizer, p.skip_special_tokens))
-        return _Live(greq.rid, greq, stops, on_event, time.perf_counter())
+        # ids outside the vocabulary are never generated: dropped (the early ban indexes by id)
+        if any(t >= cfg.vocab_size for t in p.stop_token_ids):
+            p = p.replace(stop_token_ids=tuple(t for t in p.stop_token_ids if t < cfg.vocab_size))
+            greq = dataclasses.replace(greq, params=p)
+        constraint = request_constraint(p, self.tokenizer, self.eos_ids)  # may build it (the submit thread)
+        stops = StopRule(p, self.eos_ids, p.max_new_tokens, Detokenizer(self.tokenizer, p.skip_special_tokens),
+                         constraint)
+        return _Live(greq.rid, greq, stops, on_event, time.perf_counter(), constraint=constraint)
 
-    def _params(self, p: SamplingParams) -> BlockParams:
+    def _params(self, p: SamplingParams, constraint: Constraint | None, seed: int) -> BlockParams:
         temperature = p.temperature if p.temperature is not None else 0.0
         end_ids = tuple(sorted(set(() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)))
         steps = p.steps_per_block if p.steps_per_block is not None else self.default_steps
         threshold = p.threshold if p.threshold is not None else self.default_threshold
         return BlockParams(max_new_tokens=p.max_new_tokens, steps=steps, threshold=threshold,
                            temperature=float(temperature), top_k=p.top_k if p.top_k > 0 else None,
-                           top_p=p.top_p, seed=p.seed, stop_ids=end_ids,
+                           top_p=p.top_p, seed=p.seed if p.seed is not None else seed, stop_ids=end_ids,
                            edit_threshold=self.model_config.decode.edit_threshold,
-                           max_post_edit_steps=self.model_config.decode.max_post_edit_steps)
+                           max_post_edit_steps=self.model_config.decode.max_post_edit_steps,
+                           min_new_tokens=p.min_new_tokens, ignore_eos=p.ignore_eos,
+                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                           repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=p.logit_bias,
+                           constraint=constraint)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -317,8 +338,9 @@ class BlockEngineClient:
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "submit":
             lv: _Live = arg
+            self._seed += 1  # every submitted request advances it, seeded or not (arrival order)
             try:
-                lv.erid = self.engine.submit(lv.greq.input_ids, self._params(lv.greq.params))
+                lv.erid = self.engine.submit(lv.greq.input_ids, self._params(lv.greq.params, lv.constraint, self._seed))
             except ValueError as e:
                 self._final(lv, {"type": "abort", "message": str(e)}, error=str(e))
                 return
@@ -355,6 +377,10 @@ class BlockEngineClient:
             ids, text, reason = lv.ids, lv.text, lv.reason
         if reason is None:
             reason = {"type": "length", "length": len(ids)}
+        if "abort" in res.meta:  # its constraint: no matching output fits (the message says why)
+            reason = res.meta["abort"]
+        elif res.structured is not None:  # never claim a match the output is not
+            reason = res.structured.finished(ids, reason)
         lv.ids, lv.text = ids, text
         st = self._stats
         st["cached_tokens_total"] += res.meta["cached_tokens"]
