@@ -219,11 +219,13 @@ def test_sglang_frontend_regex_and_openai_json_schema(server):
     def code(s, question):
         s += "Question: " + question + "\nCode: "
         s += sgl.gen("code", max_tokens=12, regex=REGEX, temperature=0)
+        s += "\nCount: " + sgl.gen("count", dtype=int, max_tokens=8, temperature=0)
 
     sgl.set_default_backend(sgl.RuntimeEndpoint(url))
     states = code.run_batch([{"question": q} for q in ("one", "two", "three")], num_threads=3)
     assert all(st.error() is None for st in states), [str(st.error()) for st in states]
     assert all(re.fullmatch(REGEX, st["code"]) for st in states), [st["code"] for st in states]
+    assert all(re.fullmatch(r"[-+]?[0-9]+", st["count"]) for st in states), [st["count"] for st in states]
 
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -250,6 +252,9 @@ def test_n_two_and_penalties_over_http(server):
     pen = http_json(f"{url}/generate", body)
     ids = pen["output_ids"]
     assert len(ids) - len(set(ids)) < len(base["output_ids"]) - len(set(base["output_ids"])) and 77 not in ids
+    short = http_json(f"{url}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "regex": REGEX}})
+    reason = short["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "max_new_tokens=2" in reason["message"] and short["output_ids"] == []
     many = http_json(f"{url}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "n": 2,
                                                                           "min_new_tokens": 4}})
     assert isinstance(many, list) and len(many) == 2 and all(len(m["output_ids"]) == 4 for m in many)
