@@ -21,6 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bicache_sgl.blockdiff.engine import BlockEngine, BlockEngineOptions, BlockParams
+from bicache_sgl.blockdiff.sampling import BlockSampler
 from bicache_sgl.constrained import compile_constraint
 from bicache_sgl.models.block_model import load_block_model
 from bicache_sgl.runtime import Runtime, http_json
@@ -177,6 +178,26 @@ def test_structured_outputs_fully_match_and_batched_equals_alone(models, name, e
             _check(kind, _text(tok, model, r.tokens))
             assert r.structured.finished(r.tokens, {"type": "stop"}) == {"type": "stop"}
     assert not re.fullmatch(REGEX, _text(tok, model, together[1].tokens))  # unconstrained: free text
+
+
+def test_token_edits_under_a_constraint_keep_only_viable_ones(models):
+    """LLaDA2.1's token-to-token edits under the regex [0-9]{2,4}-[a-z]+: on the output "12__"
+    (two masks left), "1" -> "a" would leave the constraint and is not kept, "2" -> "3" is; the
+    window itself is left as it was."""
+    model, tok = models["llada2"]
+    c = _constraint("llada2", models, "regex")
+    one, two, three, a = (tok.encode(ch, add_special_tokens=False)[0] for ch in "123a")
+    mask = model.cfg.mask_token_id
+    prompt = _ids(B, 4)  # one whole prompt block: the block [4, 8) is all output
+    sampler = BlockSampler(BlockParams(max_new_tokens=12, constraint=c), prompt, mask_id=mask,
+                           eos_ids=model.cfg.eos_token_ids, vocab_size=model.cfg.vocab_size)
+    x = torch.tensor(prompt + [one, two, mask, mask])
+    before = x.clone()
+    t2t = torch.tensor([True, True, False, False])
+    keep = sampler.viable_edits(x, B, 2 * B, torch.zeros(4, dtype=torch.bool), t2t, torch.tensor([a, three, 0, 0]),
+                                torch.tensor([0.9, 0.8, 0.0, 0.0]))
+    assert keep.tolist() == [False, True, False, False]
+    assert torch.equal(x, before)
 
 
 @pytest.mark.parametrize("name", ["llada2", "sdar"])

@@ -170,7 +170,7 @@ class BlockEngine:
         x[:len(prompt)] = torch.tensor(prompt)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         sampler = BlockSampler(params, prompt, mask_id=self.cfg.mask_token_id,
-                               eos_ids=self.options.eos_ids or self.cfg.eos_token_ids)
+                               eos_ids=self.options.eos_ids or self.cfg.eos_token_ids, vocab_size=self.cfg.vocab_size)
         req = _Req(next(self._rids), prompt, params, layout, transfer_schedule(self.B, steps),
                    d.threshold if params.threshold is None else params.threshold, x, None, layout.first_block,
                    generator=gen, sampler=sampler)

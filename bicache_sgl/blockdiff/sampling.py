@@ -42,14 +42,14 @@ class BlockSampler:
     """A request's decision on its current block: processed logits, then the published sampling
     (argmax / temperature, top-k, top-p, min-p), and under a constraint the constraint's path on
     the block's masked output positions. ``eos_ids``: the model's end ids (what ``ignore_eos``
-    and ``min_new_tokens`` ban)."""
+    and ``min_new_tokens`` ban); ``vocab_size``: the logits' width."""
 
-    def __init__(self, params: BlockParams, prompt: list[int], *, mask_id: int, eos_ids: tuple[int, ...]) -> None:
-        self.params, self.mask_id, self.prompt_len = params, mask_id, len(prompt)
+    def __init__(self, params: BlockParams, prompt: list[int], *, mask_id: int, eos_ids: tuple[int, ...],
+                 vocab_size: int) -> None:
+        self.params, self.mask_id, self.prompt_len, self.vocab = params, mask_id, len(prompt), vocab_size
         sp = sampling_view(params)
         self.processor = LogitsProcessor(sp, prompt, params.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids)
         self.structured = StructuredOutput(params.constraint, sp) if params.constraint is not None else None
-        self.vocab = 0  # the logits' width (set by decide; viable's DP needs every token id below it)
 
     def _answer(self, x: torch.Tensor, a: int, b: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(offset of the first output row in the block, the block's output tokens, their mask)."""
@@ -66,7 +66,6 @@ class BlockSampler:
         other rows keep the plain decision (token editing reads it). Raises ``NoCompletion``."""
         p = self.params
         lg = self.processor(logits, x, np.arange(a, b, dtype=np.int64))
-        self.vocab = lg.shape[-1]
         tok, conf = sample_tokens(lg, p.temperature, p.top_k, p.top_p, generator, min_p=p.min_p)
         tok, conf = tok.cpu(), conf.cpu()
         if self.structured is not None:
@@ -106,7 +105,8 @@ class BlockSampler:
         if s is None:
             return True
         _, blk, masked = self._answer(x, a, b)
-        try:  # viability only: the scores do not matter, the DP raises when no path exists
+        try:  # viability only: the scores do not matter (every id below the vocabulary is a candidate),
+            # the DP raises when no path exists
             s.constraint.block_path(s.state, blk, masked, torch.zeros(int(masked.sum()), self.vocab))
         except NoCompletion:
             return False
