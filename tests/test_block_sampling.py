@@ -241,12 +241,15 @@ def test_sglang_frontend_regex_and_openai_json_schema(server):
         s += "Question: " + question + "\nCode: "
         s += sgl.gen("code", max_tokens=12, regex=REGEX, temperature=0)
         s += "\nCount: " + sgl.gen("count", dtype=int, max_tokens=8, temperature=0)
+        s += "\nRecord: " + sgl.gen("rec", max_tokens=40, json_schema=json.dumps(SCHEMA), temperature=0)
 
     sgl.set_default_backend(sgl.RuntimeEndpoint(url))
     states = code.run_batch([{"question": q} for q in ("one", "two", "three")], num_threads=3)
     assert all(st.error() is None for st in states), [str(st.error()) for st in states]
     assert all(re.fullmatch(REGEX, st["code"]) for st in states), [st["code"] for st in states]
     assert all(re.fullmatch(r"[-+]?[0-9]+", st["count"]) for st in states), [st["count"] for st in states]
+    for st in states:
+        _check("json_schema", st["rec"])
 
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
