@@ -52,7 +52,8 @@ def _serve(argv: list[str]) -> BlockEngineClient:
 
 
 def _answers(client: BlockEngineClient, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy answers of G tokens (ignore_eos: the whole window is compared)."""
+    """Greedy answers of up to G tokens, cut at EOS as the published loops cut them (ignore_eos
+    would ban EOS in the logits, which the re-statement does not do)."""
     out: list[list[int]] = []
     for ids in prompts:
         done, last = threading.Event(), []
@@ -61,8 +62,7 @@ def _answers(client: BlockEngineClient, prompts: list[list[int]]) -> list[list[i
             if ev.finished:
                 last.append(ev)
                 done.set()
-        client.submit(GenerateRequest(input_ids=ids, params=SamplingParams(max_new_tokens=G, temperature=0,
-                                                                           ignore_eos=True)), cb)
+        client.submit(GenerateRequest(input_ids=ids, params=SamplingParams(max_new_tokens=G, temperature=0)), cb)
         assert done.wait(60)
         assert last[0].error is None, last[0].error
         out.append(list(last[0].output_ids))
@@ -70,11 +70,12 @@ def _answers(client: BlockEngineClient, prompts: list[list[int]]) -> list[list[i
 
 
 def _restated(model, prompt: list[int], threshold: float, edit_threshold: float, post: int) -> tuple[list[int], int]:
-    """The re-statement of the joint rule on the served model's own (dense, block-causal) forward;
-    eos -1: never met (the requests ignore EOS)."""
+    """The re-statement of the joint rule on the served model's own (dense, block-causal) forward,
+    stopping at the block where EOS is final and cut there, as the engine does."""
     return llada21_generate(lambda ids: model.forward_dense(torch.tensor(ids)), prompt,
-                            mask_id=model.cfg.mask_token_id, eos_id=-1, gen_length=G, block_length=B,
-                            threshold=threshold, edit_threshold=edit_threshold, max_post_edit_steps=post)
+                            mask_id=model.cfg.mask_token_id, eos_id=model.cfg.eos_token_ids[0], gen_length=G,
+                            block_length=B, threshold=threshold, edit_threshold=edit_threshold,
+                            max_post_edit_steps=post)
 
 
 def test_sglang_llada21_launch_line_decodes_with_token_editing(folder):
@@ -146,7 +147,7 @@ def test_the_http_server_reports_and_runs_the_chosen_algorithm(folder, tmp_path)
                  trust_remote_code=True, tp_size=1, num_threads=1, timeout=120) as rt:
         info = rt.get_server_info()
         out = http_json(f"{rt.url}/generate", {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": G, "temperature": 0, "ignore_eos": True}})
+            "max_new_tokens": G, "temperature": 0}})
     assert (info["dllm_algorithm"], info["dllm_algorithm_config"]) == ("joint_threshold", str(f))
     assert info["internal_states"][0]["decoding"] == {
         "algorithm": "joint_threshold", "sglang_name": "JointThreshold",
@@ -167,8 +168,8 @@ def test_a_low_confidence_config_file_sets_its_threshold(folder, tmp_path):
     finally:
         client.shutdown()
     offline = BlockEngine(load_block_model(folder), BlockEngineOptions(prefix_cache=False))
-    assert got == [r.tokens for r in offline.run(prompts, BlockParams(max_new_tokens=G, threshold=0.015, stop_ids=()))]
-    assert got != [r.tokens for r in offline.run(prompts, BlockParams(max_new_tokens=G, stop_ids=()))]  # 0.95
+    assert got == [r.tokens for r in offline.run(prompts, BlockParams(max_new_tokens=G, threshold=0.015))]
+    assert got != [r.tokens for r in offline.run(prompts, BlockParams(max_new_tokens=G))]  # 0.95
 
 
 def _decode(folder: str, algorithm: str | None, config: str | None = None):

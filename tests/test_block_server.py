@@ -107,9 +107,11 @@ def test_stop_string_cuts_the_text(server):
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
-@pytest.mark.parametrize("params,field", [({"regex": "[0-9]+"}, "regex"), ({"dllm_algorithm": "entropy"},
-                                                                          "dllm_algorithm"),
-                                          ({"block_length": 8}, "block_length"), ({"steps": 16}, "steps")])
+@pytest.mark.parametrize("params,field", [({"dllm_algorithm": "entropy"}, "dllm_algorithm"),
+                                          ({"block_length": 8}, "block_length"), ({"steps": 16}, "steps"),
+                                          ({"cfg_scale": 1.5}, "cfg_scale"), ({"cache_mode": "dual"}, "cache_mode"),
+                                          ({"refresh_interval": 2}, "refresh_interval"),
+                                          ({"logit_bias": {"999999": 1.0}}, "logit_bias")])
 def test_unsupported_parameters_are_refused_by_name(server, params, field):
     rt, _ = server
     code, body = _post(f"{_url(rt)}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, **params}})

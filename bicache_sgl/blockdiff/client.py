@@ -9,13 +9,17 @@ block emits an event (streaming), with the output cut by the request's stop rule
 multiple of the block length), ``bicache_depth`` (the number of layers when anything was reused:
 reuse is always full depth) and ``reused_prefix_start`` 0.
 
-Logprobs (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
-``return_text_in_logprobs``) are the bidirectional engine's definitions (``blockdiff/logprobs.py``),
-in every event's ``meta_info``; ``max_new_tokens`` 0 is a prefill-only request (the SGLang
-frontend's ``select`` scores its choices with them).
-
-Parameters the block engine does not implement are refused with a message naming the field
-(nothing is accepted and ignored).
+Logit bias, penalties, min-p, ``min_new_tokens``, ``ignore_eos`` and regex / JSON-schema constraints
+are the bidirectional engine's own processors applied to the current block
+(``blockdiff/sampling.py``); the constraint is compiled here (``scheduler.factory.
+request_constraint``, on the server's submit thread), and a finished output that does not fully
+match it is reported as an abort, never as a match. ``n`` > 1 reaches this client as n requests (the
+server expands it); a request without ``seed`` samples from a counter advanced by every submitted
+request, as the bidirectional engine seeds it. Logprobs (``return_logprob``, ``logprob_start_len``,
+``top_logprobs_num``, ``return_text_in_logprobs``) are the bidirectional engine's definitions
+(``blockdiff/logprobs.py``), in every event's ``meta_info``; ``max_new_tokens`` 0 is a prefill-only
+request (the SGLang frontend's ``select`` scores its choices with them). Parameters the block engine
+does not implement are refused with a message naming the field (nothing is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from typing import Any
 import torch
 
 from ..config import DecodeDefaults, EngineConfig, SamplingParams
+from ..constrained import Constraint
 from ..decoding.logprobs import Logprobs
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
+from ..scheduler.factory import request_constraint
 from ..scheduler.validate import check_logprob_fields
 from .algorithm import choose_algorithm
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
@@ -49,17 +55,12 @@ DEFAULT_CACHE_TOKENS = 65536
 
 # SamplingParams fields the block engine leaves at their defaults: field -> (default, why)
 _REFUSED = {
-    "min_new_tokens": (0, "min_new_tokens"),
-    "n": (1, "n > 1 (send the request n times)"),
     "steps": (None, "steps (the total over the generation region); block-diffusion models take steps_per_block"),
-    "dllm_algorithm": (None, "dllm_algorithm (block-diffusion models decode with their published per-block "
-                             "threshold unmasking)"),
+    "dllm_algorithm": (None, "dllm_algorithm per request (the server's --dllm-algorithm sets it: LowConfidence or, "
+                             "for LLaDA2.x, JointThreshold)"),
     "dllm_eps": (None, "eps"), "dllm_alg_temp": (None, "alg_temp"), "cfg_scale": (0.0, "cfg_scale"),
     "cache_mode": (None, "cache_mode (block-diffusion models always use their exact block K/V cache)"),
     "refresh_interval": (None, "refresh_interval"), "step_rows": (None, "step_rows"),
-    "frequency_penalty": (0.0, "frequency_penalty"), "presence_penalty": (0.0, "presence_penalty"),
-    "repetition_penalty": (1.0, "repetition_penalty"), "min_p": (0.0, "min_p"), "logit_bias": ((), "logit_bias"),
-    "regex": (None, "regex (structured generation)"), "json_schema": (None, "json_schema (structured generation)"),
 }
 
 
@@ -120,6 +121,7 @@ class _Live:
     text: str = ""
     reason: dict | None = None
     logprobs: Logprobs | None = None  # return_logprob: filled on the engine thread
+    constraint: Constraint | None = None
 
 
 class BlockEngineClient:
@@ -175,12 +177,13 @@ class BlockEngineClient:
         cache_blocks = (config.max_prefix_cache_tokens or DEFAULT_CACHE_TOKENS) // B
         self.engine = BlockEngine(self.model, BlockEngineOptions(
             prefix_cache=config.prefix_cache != "off", cache_output=True, cache_blocks=cache_blocks,
-            max_running=config.max_running_requests))
+            max_running=config.max_running_requests, eos_ids=self.eos_ids))
         self.engine.on_block = self._on_block
         self._live: dict[str, _Live] = {}
         self._by_erid: dict[int, _Live] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._pending_finish: list[int] = []
+        self._seed = 0  # advanced by every submitted request (engine thread): unseeded requests' seeds
         self._cond = threading.Condition()
         self._stop = False
         self._stats = {"finished": {"stop": 0, "length": 0, "abort": 0}, "cached_tokens_total": 0,
@@ -296,25 +299,40 @@ class BlockEngineClient:
         if any(not 0 <= t < cfg.vocab_size for t in ids):
             raise ValueError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})")
         check_logprob_fields(greq)
+        if p.n != 1:
+            raise ValueError("n: an engine request is one sample (the server and the OpenAI routes send n > 1 as n "
+                             "requests)")
+        bad = [t for t, _ in p.logit_bias if t >= cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
         if total > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
                              f"{B} is {total} tokens, over the context length {self.context_length}")
+        # ids outside the vocabulary are never generated: dropped (the early ban indexes by id)
+        if any(t >= cfg.vocab_size for t in p.stop_token_ids):
+            p = p.replace(stop_token_ids=tuple(t for t in p.stop_token_ids if t < cfg.vocab_size))
+            greq = dataclasses.replace(greq, params=p)
+        constraint = request_constraint(p, self.tokenizer, self.eos_ids)  # may build it (the submit thread)
         detok = Detokenizer(self.tokenizer, p.skip_special_tokens)
-        stops = StopRule(p, self.eos_ids, p.max_new_tokens, detok)
+        stops = StopRule(p, self.eos_ids, p.max_new_tokens, detok, constraint)
         rec = Logprobs(greq.top_logprobs_num, detok, greq.return_text_in_logprobs) if greq.return_logprob else None
-        return _Live(greq.rid, greq, stops, on_event, time.perf_counter(), logprobs=rec)
+        return _Live(greq.rid, greq, stops, on_event, time.perf_counter(), logprobs=rec, constraint=constraint)
 
-    def _params(self, p: SamplingParams) -> BlockParams:
+    def _params(self, p: SamplingParams, constraint: Constraint | None, seed: int) -> BlockParams:
         temperature = p.temperature if p.temperature is not None else 0.0
         end_ids = tuple(sorted(set(() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)))
         steps = p.steps_per_block if p.steps_per_block is not None else self.default_steps
         threshold = p.threshold if p.threshold is not None else self.default_threshold
         return BlockParams(max_new_tokens=p.max_new_tokens, steps=steps, threshold=threshold,
                            temperature=float(temperature), top_k=p.top_k if p.top_k > 0 else None,
-                           top_p=p.top_p, seed=p.seed, stop_ids=end_ids,
+                           top_p=p.top_p, seed=p.seed if p.seed is not None else seed, stop_ids=end_ids,
                            edit_threshold=self.model_config.decode.edit_threshold,
-                           max_post_edit_steps=self.model_config.decode.max_post_edit_steps)
+                           max_post_edit_steps=self.model_config.decode.max_post_edit_steps,
+                           min_new_tokens=p.min_new_tokens, ignore_eos=p.ignore_eos,
+                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                           repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=p.logit_bias,
+                           constraint=constraint)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -345,9 +363,10 @@ class BlockEngineClient:
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "submit":
             lv: _Live = arg
+            self._seed += 1  # every submitted request advances it, seeded or not (arrival order)
             try:
-                lv.erid = self.engine.submit(lv.greq.input_ids, self._params(lv.greq.params), lv.logprobs,
-                                             lv.greq.logprob_start_len)
+                lv.erid = self.engine.submit(lv.greq.input_ids, self._params(lv.greq.params, lv.constraint, self._seed),
+                                             lv.logprobs, lv.greq.logprob_start_len)
             except ValueError as e:
                 self._final(lv, {"type": "abort", "message": str(e)}, error=str(e))
                 return
@@ -384,6 +403,10 @@ class BlockEngineClient:
             ids, text, reason = lv.ids, lv.text, lv.reason
         if reason is None:
             reason = {"type": "length", "length": len(ids)}
+        if "abort" in res.meta:  # its constraint: no matching output fits (the message says why)
+            reason = res.meta["abort"]
+        elif res.structured is not None:  # never claim a match the output is not
+            reason = res.structured.finished(ids, reason)
         lv.ids, lv.text = ids, text
         st = self._stats
         st["cached_tokens_total"] += res.meta["cached_tokens"]

@@ -35,11 +35,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding.block import BlockLayout, cut_answer, effective_steps, sample_tokens, select_transfer, transfer_schedule
+from ..constrained import Constraint, NoCompletion
+from ..decoding.block import BlockLayout, cut_answer, effective_steps, select_transfer, transfer_schedule
 from ..decoding.logprobs import Logprobs
 from ..kv_cache.block_prefix import BlockPrefixCache
 from ..models.block_model import BlockDiffusionLM, BlockKV, RowsWork
+from ..scheduler.structured import StructuredOutput
 from .logprobs import BlockScore, record_written
+from .sampling import BlockSampler
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,19 @@ class BlockParams:
     # LLaDA2.1's token editing (SGLang's JointThreshold): None = off (LLaDA2.0's mask-to-token rule)
     edit_threshold: float | None = None
     max_post_edit_steps: int = 16
+    # logit processing (decoding/sampling.py's LogitsProcessor; docs/server.md, "Penalties"): EOS
+    # (the model's end ids) banned with ignore_eos, EOS and stop_ids on the first min_new_tokens
+    # output positions; the mask token is not banned (as in the published loops)
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # a compiled regex / JSON-schema constraint (scheduler/factory.py's request_constraint, with
+    # stop_ids as its end ids); the output then fully matches it (docs/structured.md)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:  # 0: prefill-only (no output)
@@ -88,6 +104,7 @@ class BlockEngineOptions:
     cache_output: bool = True
     cache_blocks: int = 4096
     max_running: int = 16
+    eos_ids: tuple[int, ...] | None = None  # the model's end ids ignore_eos bans (None: config.json's)
 
     def __post_init__(self) -> None:
         if self.cache_blocks < 0 or self.max_running < 1:
@@ -99,6 +116,7 @@ class BlockResult:
     rid: int
     tokens: list[int]
     meta: dict
+    structured: StructuredOutput | None = None  # the request's constraint (its final check is the caller's)
 
 
 @dataclass
@@ -121,6 +139,8 @@ class _Req:
     generator: torch.Generator | None = None
     logprobs: Logprobs | None = None  # return_logprob: the output (and input) logprob recorder
     score: BlockScore | None = None  # input logprobs: the scoring forward, until it has run
+    sampler: BlockSampler | None = None  # logit processing and constraint (blockdiff/sampling.py)
+    abort: dict | None = None  # why the constraint ended it (no matching output fits)
 
     @property
     def generates(self) -> bool:
@@ -169,9 +189,11 @@ class BlockEngine:
         if logprobs is not None and logprob_start_len >= len(prompt):
             raise ValueError(f"logprob_start_len ({logprob_start_len}) must be < the prompt length ({len(prompt)})")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        sampler = BlockSampler(params, prompt, mask_id=self.cfg.mask_token_id,
+                               eos_ids=self.options.eos_ids or self.cfg.eos_token_ids, vocab_size=self.cfg.vocab_size)
         req = _Req(next(self._rids), prompt, params, layout, transfer_schedule(self.B, steps),
                    d.threshold if params.threshold is None else params.threshold, x, None, layout.first_block,
-                   generator=gen, logprobs=logprobs)
+                   generator=gen, logprobs=logprobs, sampler=sampler)
         if logprobs is not None and (not req.generates or logprob_start_len >= 0):
             req.score = BlockScore(logprobs, prompt, logprob_start_len, self.cfg.mask_token_id, self.B)
         self.waiting.append(req)
@@ -225,12 +247,7 @@ class BlockEngine:
             if not r.generates:
                 finished.append(r)
                 continue
-            a = r.block * self.B
-            before = r.x[a:a + self.B].clone() if r.logprobs is not None else None
-            done = self._apply(r, lg)
-            if before is not None:
-                record_written(r.logprobs, lg, before, r.x[a:a + self.B], a, r.params.top_k, r.params.top_p)
-            if done:
+            if self._apply(r, lg):
                 finished.append(r)
         for r in finished:
             self.running.remove(r)
@@ -242,19 +259,28 @@ class BlockEngine:
         a, b = r.block * self.B, (r.block + 1) * self.B
         blk = r.x[a:b]
         masked = blk == self.cfg.mask_token_id
-        p = r.params
-        tok, conf = sample_tokens(logits, p.temperature, p.top_k, p.top_p, r.generator)
-        if p.edit_threshold is not None:
-            if not self._edit_step(r, blk, masked, tok.cpu(), conf.cpu()):
-                return False
+        try:  # the processed logits' decision (under a constraint: its path on the masked rows)
+            tok, conf, processed = r.sampler.decide(logits, r.x, a, b, r.generator)
+        except NoCompletion as e:
+            r.abort = r.sampler.no_completion(str(e), max(a - len(r.prompt), 0))
+            return True
+        before = blk.clone() if r.logprobs is not None else None
+        if r.params.edit_threshold is not None:
+            block_done = self._edit_step(r, blk, masked, tok, conf)
         else:
-            sel = select_transfer(conf.cpu(), masked, r.schedule[r.step], r.threshold)
-            blk[sel] = tok.cpu()[sel]
+            sel = select_transfer(conf, masked, r.schedule[r.step], r.threshold)
+            blk[sel] = tok[sel]
             r.step += 1
-            if bool((blk == self.cfg.mask_token_id).any()) and r.step < len(r.schedule):
-                return False
+            block_done = not bool((blk == self.cfg.mask_token_id).any()) or r.step >= len(r.schedule)
+        if before is not None:  # the logprobs of what this step wrote, under the logits it decided on
+            record_written(r.logprobs, processed, before, blk, a, r.params.top_k, r.params.top_p)
+        if not block_done:
+            return False
         # the block is done (no mask left, or its steps ran out as in the published loop)
         P = len(r.prompt)
+        r.abort = r.sampler.advance(r.x, a, b)
+        if r.abort is not None:
+            return True
         r.finished_blocks.append(r.x[max(a, P):b].tolist())
         gen = r.x[P:b]
         if self.on_block is not None:
@@ -290,6 +316,9 @@ class BlockEngine:
                 return True
             m2t = torch.zeros_like(masked)
         t2t = (conf > p.edit_threshold) & (blk != tok) & ~masked & ~prompt
+        if bool(t2t.any()) and r.sampler.structured is not None:
+            # under a constraint only edits that keep the block on a matching path
+            t2t = r.sampler.viable_edits(r.x, a, a + self.B, m2t, t2t, tok, conf)
         change = m2t | t2t
         if not bool(change.any()):
             return True
@@ -305,16 +334,20 @@ class BlockEngine:
             n = r.kv.committed if self.options.cache_output else min(r.kv.committed, (P // self.B) * self.B)
             self.cache.insert(r.x.tolist(), n, r.kv.k, r.kv.v)
         stop = self._stop_ids(r)
-        tokens = cut_answer(r.x[P:].tolist(), r.params.max_new_tokens, stop)
+        # aborted by its constraint: the committed blocks only (the current one is not final)
+        tokens = cut_answer(r.x[P:max(P, r.block * self.B) if r.abort else None].tolist(), r.params.max_new_tokens,
+                            stop)
         L = self.cfg.n_layers
         meta = {
             "prompt_tokens": P, "completion_tokens": len(tokens), "cached_tokens": r.reused,
             "bicache_depth": L if r.reused else 0, "reused_span": [0, r.reused], "block_length": self.B,
             "reuse_rule": "exact-block", "forwards": r.forwards, "computed_rows": r.computed_rows,
-            "finish_reason": "stop" if tokens and tokens[-1] in stop else "length",
+            "finish_reason": "abort" if r.abort else "stop" if tokens and tokens[-1] in stop else "length",
         }
+        if r.abort:
+            meta["abort"] = r.abort  # {"type": "abort", "message": ...}
         r.kv = None  # free the buffer
-        return BlockResult(r.rid, tokens, meta)
+        return BlockResult(r.rid, tokens, meta, r.sampler.structured)
 
     def _stop_ids(self, r: _Req) -> tuple[int, ...]:
         return self.cfg.eos_token_ids if r.params.stop_ids is None else r.params.stop_ids

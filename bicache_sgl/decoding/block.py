@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import filter_logits
+
 
 @dataclass(frozen=True)
 class BlockLayout:
@@ -56,16 +58,19 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-                  top_p: float | None = None, generator: torch.Generator | None = None
+                  top_p: float | None = None, generator: torch.Generator | None = None, min_p: float = 0.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [m, V] -> (token [m], its probability [m]). temperature 0: argmax and the plain
-    softmax probability of it (the published greedy branch); otherwise temperature, then top-k,
-    then top-p filtering, softmax, one multinomial draw per row."""
+    softmax probability of it (the published greedy branch); otherwise min-p on the untempered
+    logits (docs/server.md, "Penalties"), temperature, then top-k, then top-p filtering, softmax,
+    one multinomial draw per row. Like top-k and top-p, min-p filters the sampled distribution
+    only: it changes neither the argmax nor its probability at temperature 0."""
     logits = logits.float()
     if temperature == 0:
         tok = logits.argmax(dim=-1)
         p = torch.softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
         return tok, p
+    logits = filter_logits(logits, -1, 1.0, min_p)
     z = logits / temperature
     if top_k is not None and top_k > 0:
         kth = z.topk(min(top_k, z.shape[-1]), dim=-1).values[:, -1:]

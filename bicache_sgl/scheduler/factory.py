@@ -35,19 +35,25 @@ class RequestFactory:
                    tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params))
 
     def constraint(self, p: SamplingParams) -> Constraint | None:
-        """Compile the request's output constraint (cached per constraint and end ids; a fresh
-        build takes milliseconds to seconds, bounded by the core's limits, so callers run this
-        off any event loop). Raises ValueError (ConstraintError) with the parser's message."""
-        spec = p.constraint
-        if spec is None:
-            return None
-        kind, value = spec
-        # the ids that end the output, allowed only after a complete match: EOS (not with
-        # ignore_eos) and stop_token_ids. With none (ignore_eos, no stop ids) every position is
-        # output and the match has to fill them all
-        end_ids = (() if p.ignore_eos else tuple(self.eos_ids)) + tuple(p.stop_token_ids)
-        try:
-            return compile_constraint(kind, value, self.tokenizer, end_ids=end_ids)
-        except ConstraintError as e:
-            msg = str(e)
-            raise ConstraintError(msg if msg.startswith(kind) else f"{kind}: {msg}") from None
+        """The request's compiled output constraint (:func:`request_constraint`)."""
+        return request_constraint(p, self.tokenizer, self.eos_ids)
+
+
+def request_constraint(p: SamplingParams, tokenizer, eos_ids: tuple[int, ...]) -> Constraint | None:
+    """Compile a request's output constraint (cached per constraint and end ids; a fresh build
+    takes milliseconds to seconds, bounded by the core's limits, so callers run this off any
+    event loop). ``eos_ids``: the model's end ids. Raises ValueError (ConstraintError) with the
+    parser's message. Used by the bidirectional engine and by the block engine's client."""
+    spec = p.constraint
+    if spec is None:
+        return None
+    kind, value = spec
+    # the ids that end the output, allowed only after a complete match: EOS (not with
+    # ignore_eos) and stop_token_ids. With none (ignore_eos, no stop ids) every position is
+    # output and the match has to fill them all
+    end_ids = (() if p.ignore_eos else tuple(eos_ids)) + tuple(p.stop_token_ids)
+    try:
+        return compile_constraint(kind, value, tokenizer, end_ids=end_ids)
+    except ConstraintError as e:
+        msg = str(e)
+        raise ConstraintError(msg if msg.startswith(kind) else f"{kind}: {msg}") from None

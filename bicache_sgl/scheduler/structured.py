@@ -28,15 +28,25 @@ class StructuredOutput:
         path token's probability given the constraint for ``low_confidence`` and
         ``maskgit_plus``, noise for ``random``; Dream's margin or entropy of the model's own
         distribution for ``topk_margin`` and ``entropy``. Raises ``NoCompletion``."""
-        p = self.params
         banned = lg
         if not denoiser.bans_mask:
             banned = lg.clone()
             banned[:, mask_id] = NEG_INF
-        x0, conf, lp = constrained_decide(self.constraint, self.state, block, block == mask_id, banned,
-                                          temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                                          remasking=denoiser.plan.remasking, generator=generator)
+        x0, conf, lp = self.path(banned, block, block == mask_id, generator, remasking=denoiser.plan.remasking)
         return x0, denoiser.path_confidence(lg, x0, conf), lp
+
+    def path(self, lg: torch.Tensor, block: torch.Tensor, masked: torch.Tensor, generator: torch.Generator | None,
+             remasking: str = "low_confidence") -> Decision:
+        """``constrained_decide`` in the current state with this request's sampling knobs: the
+        path's tokens for the ``masked`` positions of ``block`` (its output tokens [L]) from their
+        processed logits ``lg`` [n_masked, V] (the mask token already banned), the confidence
+        ``remasking`` gives (``low_confidence``: the path token's probability given the
+        constraint) and the model's logprob. Raises ``NoCompletion``. The block engine
+        (blockdiff/sampling.py) calls this directly: its rule has no Denoiser."""
+        p = self.params
+        return constrained_decide(self.constraint, self.state, block, masked, lg, temperature=p.temperature,
+                                  top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, remasking=remasking,
+                                  generator=generator)
 
     def advance(self, block: torch.Tensor) -> dict | None:
         """A block was committed: the state after it, or the abort reason when a token left the
