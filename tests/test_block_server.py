@@ -142,7 +142,7 @@ def test_openai_chat_and_sglang_frontend(server):
 
 
 @pytest.mark.parametrize("flags,name", [({"bicache_profile": "p.json"}, "--bicache-profile"),
-                                        ({"max_total_tokens": 1000}, "--max-total-tokens"),
+                                        ({"bicache_audit_rate": 0.5}, "--bicache-audit-rate"),
                                         ({"prefix_cache": "fixed:2"}, "--prefix-cache"),
                                         ({"attention_backend": "nope"}, "--attention-backend")])
 def test_flags_without_meaning_for_block_families_are_refused(flags, name):
