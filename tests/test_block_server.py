@@ -13,12 +13,11 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-from reliability_support import parent_pid, sse_frames
+from reliability_support import parent_pid, sse_frames, wait_until
 
 from bicache_sgl.blockdiff.engine import BlockEngine, BlockEngineOptions, BlockParams
 from bicache_sgl.models.block_model import load_block_model
@@ -215,15 +214,6 @@ def _state(url: str) -> dict:
     return requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"][0]
 
 
-def _wait_until(cond, timeout: float, step: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
-
-
 # threshold 1.0 with steps_per_block = B: one token per step, so a long request runs long enough
 # to be seen running on any machine
 SLOW = {"temperature": 0, "threshold": 1.0, "steps_per_block": B, "ignore_eos": True}
@@ -254,7 +244,26 @@ def test_abort_through_the_engine_process(server):
     frames += sse_frames(lines)
     assert frames[-1] == "[DONE]" and frames[-2]["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(frames[-2]["output_ids"]) < 2000
-    assert _wait_until(lambda: _state(rt.url)["num_running_reqs"] == 0, 30, 0.1)
+    assert wait_until(lambda: _state(rt.url)["num_running_reqs"] == 0, 30, 0.1)
+
+
+def test_abort_all_through_the_engine_process(server):
+    """/abort_request {"abort_all": true} ends every running block request with finish_reason abort."""
+    rt, _ = server
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2000, **SLOW}}
+    answers: list = []
+    threads = [threading.Thread(target=lambda: answers.append(requests.post(f"{rt.url}/generate", json=body,
+                                                                             timeout=60))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: _state(rt.url)["num_running_reqs"] == 2, 30, 0.02)
+    assert requests.post(f"{rt.url}/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
+    for t in threads:
+        t.join(60)
+    assert len(answers) == 2
+    for r in answers:
+        meta = r.json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 2000, r.text
 
 
 def test_engine_in_process_serves_the_same_answers(server, tmp_path):
@@ -294,7 +303,7 @@ def test_kv_budget_admission_waits_and_answers_are_unchanged(server, small_budge
     long = threading.Thread(target=post, args=("long", {"input_ids": ids, "sampling_params": {
         "max_new_tokens": 200, **SLOW}}))
     long.start()
-    assert _wait_until(lambda: _state(url)["num_running_reqs"] == 1, 30)
+    assert wait_until(lambda: _state(url)["num_running_reqs"] == 1, 30, 0.02)
     waiting = threading.Thread(target=post, args=("short", short))
     waiting.start()
     st: dict = {}
@@ -302,7 +311,7 @@ def test_kv_budget_admission_waits_and_answers_are_unchanged(server, small_budge
     def seen_waiting() -> bool:
         st.update(_state(url))
         return st["num_running_reqs"] == 1 and st["num_waiting_reqs"] == 1
-    assert _wait_until(seen_waiting, 30)
+    assert wait_until(seen_waiting, 30, 0.02)
     assert st["kv_budget_tokens"] == 230 and 212 <= st["kv_used_tokens"] <= 230
     code, body = _post(f"{url}/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 240}})
     assert code == 400 and "--max-total-tokens" in json.dumps(body) and "252" in json.dumps(body)
@@ -318,7 +327,7 @@ def test_killed_engine_process_gives_503_and_the_server_lives_on(small_budget):
     rt = small_budget
     pid = _state(rt.url)["engine_pid"]
     os.kill(pid, signal.SIGKILL)
-    assert _wait_until(lambda: requests.get(f"{rt.url}/health", timeout=30).status_code == 503, 30, 0.1)
+    assert wait_until(lambda: requests.get(f"{rt.url}/health", timeout=30).status_code == 503, 30, 0.1)
     r = requests.post(f"{rt.url}/generate", json={"text": "after", "sampling_params": {"max_new_tokens": 4}},
                       timeout=30)
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
