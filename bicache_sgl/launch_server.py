@@ -37,26 +37,19 @@ def setup_logging(level: str) -> None:
 
 
 def build_engine(args: ServerArgs) -> EngineClient:
-    """The engine these args describe: in a child process (default) or, with
-    ``--engine-in-process``, in this one. Without ``--num-threads`` the engine gets
-    :func:`~bicache_sgl.engine.process.default_engine_threads` torch threads."""
+    """The engine these args describe (engine/local.py picks it for the checkpoint: the
+    bidirectional engine, or the block-diffusion engine of a LLaDA2.x / SDAR folder): in a child
+    process (default) or, with ``--engine-in-process``, in this one. Without ``--num-threads`` the
+    engine gets :func:`~bicache_sgl.engine.process.default_engine_threads` torch threads."""
     from bicache_sgl.engine.process import EngineProcessClient, default_engine_threads
 
     cfg = args.engine_config()
     if cfg.num_threads is None:
         cfg = cfg.replace(num_threads=default_engine_threads())
-    if cfg.model_path is not None:
-        # block-diffusion checkpoints (LLaDA2.x, SDAR) are served by their own engine, in process
-        from bicache_sgl.blockdiff.client import BlockEngineClient, is_block_checkpoint
-        from bicache_sgl.models.loader import resolve_model_path
-        if is_block_checkpoint(resolve_model_path(cfg.model_path)):
-            import torch
-            torch.set_num_threads(cfg.num_threads)
-            return BlockEngineClient(cfg)
     if args.engine_in_process:
-        from bicache_sgl import Engine
+        from bicache_sgl.engine.local import build_local_engine
 
-        return Engine(config=cfg)
+        return build_local_engine(cfg)
     return EngineProcessClient(cfg, log_level=args.log_level)
 
 

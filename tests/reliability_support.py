@@ -86,6 +86,16 @@ def sse_frames(lines: Any) -> list[Any]:
     return out
 
 
+def wait_until(cond: Any, timeout: float, step: float = 0.1) -> bool:
+    """Poll ``cond()`` every ``step`` s until it is true or ``timeout`` s have passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of ``pid`` from ``/proc/PID/stat``; None once it is gone or a zombie (a zombie
     runs nothing)."""

@@ -188,6 +188,62 @@ def test_batched_requests_at_different_blocks_equal_alone(folders, name):
     assert [r.tokens for r in together] == [r.tokens for r in alone]
 
 
+def test_kv_budget_admission_waits_and_answers_are_unchanged(folders):
+    """A budget that holds one request's window at a time: the others wait (no second buffer is
+    allocated, the windows and the cache never exceed it), and every answer and its reuse equal an
+    unbounded engine's; a request larger than the whole budget is refused at submit."""
+    model = load_block_model(folders["llada2"])
+    prompts = [_ids(9, 70 + i) for i in range(3)]
+    params = BlockParams(max_new_tokens=7)  # 9 + 7 = 16 positions: a window of 16 (B = 4)
+    free = BlockEngine(model).run(prompts, params)
+    eng = BlockEngine(model, BlockEngineOptions(kv_budget=16 + 4))
+    rids = [eng.submit(p, params) for p in prompts]
+    eng.step()
+    assert (eng.num_running, eng.num_waiting) == (1, 2)
+    while any(r not in eng.done for r in rids):
+        eng.step()
+        assert eng.num_running <= 1 and eng.kv_in_use <= 20
+    assert eng.num_waiting == 0
+    assert [eng.done[r].tokens for r in rids] == [r.tokens for r in free]
+    assert [eng.done[r].meta["cached_tokens"] for r in rids] == [r.meta["cached_tokens"] for r in free]
+    with pytest.raises(ValueError, match="K/V budget of 20"):
+        eng.submit(_ids(9, 1), BlockParams(max_new_tokens=12))  # 24 positions
+
+
+def test_kv_budget_evicts_the_prefix_cache_before_admission_waits(folders):
+    """A cache grown while nothing ran is evicted (least recently used leaves first) to admit a
+    request instead of making it wait; the blocks it reuses go last, so its reuse is kept."""
+    model = load_block_model(folders["llada2"])
+    old, kept = _ids(12, 90), _ids(12, 91)
+    params = BlockParams(max_new_tokens=8)  # windows of 20 positions; 16 of them committed at the end
+    eng = BlockEngine(model, BlockEngineOptions(kv_budget=40))
+    eng.run([old], params)
+    eng.run([kept], params)  # its prompt blocks evict two of old's while it runs, its end adds one
+    assert eng.cache.n_tokens == 24
+    rid = eng.submit(kept, params)
+    eng.step()  # admitted at once: 20 + 24 > 40, so one cached block (old's, the older) went first
+    assert eng.num_running == 1 and eng.cache.n_tokens == 20 and eng.kv_in_use == 40
+    while rid not in eng.done:
+        eng.step()
+    again = eng.done[rid]
+    assert again.meta["cached_tokens"] == 12  # its own three prompt blocks were kept
+    assert len(eng.cache.match(old, 12)) == 1
+    ref = BlockEngine(model, BlockEngineOptions(prefix_cache=False)).run([kept], params)[0]
+    assert again.tokens == ref.tokens
+
+
+def test_prefix_cache_shrink_takes_lru_leaves_and_keeps_paths():
+    cache = BlockPrefixCache(block_length=2, max_blocks=10)
+    k = torch.zeros(1, 8, 1, 2)
+    cache.insert([1, 1, 2, 2, 3, 3], 6, k, k)
+    cache.insert([1, 1, 4, 4, 5, 5, 6, 6], 8, k, k)  # shares the first block
+    assert cache.n_blocks == 6
+    assert cache.shrink(3) == 3  # the older branch goes first, deepest first: (3,3), (2,2), then (6,6)
+    assert len(cache.match([1, 1, 4, 4, 5, 5], 6)) == 3 and len(cache.match([1, 1, 2, 2], 4)) == 1
+    assert cache.insert([1, 1, 7, 7], 4, k, k, room=2) == 1 and cache.n_blocks == 2
+    assert len(cache.match([1, 1, 7, 7], 4)) == 2  # the path just inserted is kept
+
+
 def test_prefix_cache_matches_whole_blocks_and_evicts_lru():
     cache = BlockPrefixCache(block_length=2, max_blocks=3)
     k = torch.arange(2 * 6).float().view(1, 6, 1, 2)

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from reliability_support import parent_pid, sse_frames
+from reliability_support import parent_pid, sse_frames, wait_until
 
 requests = pytest.importorskip("requests")
 
@@ -25,15 +25,6 @@ def info(rt) -> dict:
 
 def post(rt, payload, **kw):
     return requests.post(rt.url + "/generate", json=payload, timeout=TIMEOUT, **kw)
-
-
-def wait_until(cond, timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
 """BlockEngineClient: the ``EngineClient`` of a block-diffusion checkpoint (LLaDA2.x, SDAR), so the
 HTTP server (native, OpenAI and SGLang-frontend routes) serves it unchanged.
 
-The engine (``blockdiff.engine.BlockEngine``) runs on one thread of the server process; requests
-arrive through an inbox; each step is one forward for every running request. Every finished
+The engine (``blockdiff.engine.BlockEngine``) runs on one thread of the process that holds this
+client: the engine process by default (``engine/process_child.py`` builds it there, and the server
+talks to it through ``EngineProcessClient`` as to the bidirectional engine), the server process
+with ``--engine-in-process``. Requests arrive through an inbox; each step is one forward for every
+running request, admitted within the K/V budget (``blockdiff/budget.py``, ``--max-total-tokens``). Every finished
 block emits an event (streaming), with the output cut by the request's stop rule (EOS and
 ``stop_token_ids``, stop strings; ``decoding/stop.py``); the final event carries the whole
 ``meta_info``, with the exact-reuse fields: ``cached_tokens`` (whole prompt blocks reused, a
@@ -45,13 +48,10 @@ from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.factory import request_constraint
 from ..scheduler.validate import check_logprob_fields
 from .algorithm import choose_algorithm
+from .budget import block_kv_budget
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
-
-# The exact block cache's default size in tokens (--max-prefix-cache-tokens sets it); blocks are
-# allocated as they are inserted. LLaDA2.0-mini in bf16: 40 KiB per token, 2.5 GiB at this size.
-DEFAULT_CACHE_TOKENS = 65536
 
 # SamplingParams fields the block engine leaves at their defaults: field -> (default, why)
 _REFUSED = {
@@ -93,11 +93,11 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
         raise ValueError(f"--prefix-cache {cfg.prefix_cache}: {family} takes off or bicache (exact whole-block "
                          "reuse)")
     base = EngineConfig()
-    for name in ("max_total_tokens", "mem_fraction_static", "bicache_audit_rate", "bicache_audit_min_agreement",
-                 "bicache_audit_probation", "calibration_budget_s"):
+    for name in ("bicache_audit_rate", "bicache_audit_min_agreement", "bicache_audit_probation",
+                 "calibration_budget_s"):
         if getattr(cfg, name) != getattr(base, name):
-            raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: its engine has no bicache pool, "
-                             "profile or audit (exact block reuse); --max-running-requests and "
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: its engine has no bicache "
+                             "profile or audit (exact block reuse); --max-running-requests, --max-total-tokens and "
                              "--max-prefix-cache-tokens size it")
     d, dd = cfg.decode, DecodeDefaults()
     for name in ("cache_mode", "refresh_interval", "step_rows", "dllm_eps", "dllm_alg_temp"):
@@ -129,9 +129,14 @@ class BlockEngineClient:
 
     submit_returns_at_once = False
     in_process = True
+    # each submission is validated here (``_validate``), never trusted as validated elsewhere: an
+    # EngineProcessClient in front of this one waits for the engine process's answer to a submit
+    accepts_valid_requests = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model_path)
         device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if config.device == "auto" else config.device))
@@ -174,10 +179,13 @@ class BlockEngineClient:
         self.eos_ids = tuple(sorted(eos))
         self.context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         B = cfg.decode.block_length
-        cache_blocks = (config.max_prefix_cache_tokens or DEFAULT_CACHE_TOKENS) // B
+        self.device = device
+        # one budget for the running windows and the cache, sized once the weights are loaded
+        self.budget = block_kv_budget(config, cfg, dtype, device, self.context_length)
+        self.kv_budget = self.budget.tokens
         self.engine = BlockEngine(self.model, BlockEngineOptions(
-            prefix_cache=config.prefix_cache != "off", cache_output=True, cache_blocks=cache_blocks,
-            max_running=config.max_running_requests, eos_ids=self.eos_ids))
+            prefix_cache=config.prefix_cache != "off", cache_output=True, cache_blocks=self.budget.cache_tokens // B,
+            max_running=config.max_running_requests, eos_ids=self.eos_ids, kv_budget=self.budget.tokens))
         self.engine.on_block = self._on_block
         self._live: dict[str, _Live] = {}
         self._by_erid: dict[int, _Live] = {}
@@ -190,9 +198,10 @@ class BlockEngineClient:
                        "computed_rows_total": 0, "prompt_tokens_total": 0}
         self._thread = threading.Thread(target=self._loop, name="bicache-block-engine", daemon=True)
         self._thread.start()
-        log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s; decoding %s)",
+        log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s; decoding %s; %s)",
                  self.model_path, cfg.family, B, cfg.n_layers,
-                 "exact whole blocks" if config.prefix_cache != "off" else "off", self.algorithm.describe(cfg.decode))
+                 "exact whole blocks" if config.prefix_cache != "off" else "off", self.algorithm.describe(cfg.decode),
+                 self.budget.describe())
 
     def _use_flashinfer(self, device: torch.device, dtype: torch.dtype) -> None:
         """Block-causal attention on FlashInfer (CUDA); kernels that do not take this model's dtype
@@ -255,6 +264,9 @@ class BlockEngineClient:
             "finished_reqs_by_reason": dict(st["finished"]), "prefix_cache_mode": self.config.prefix_cache,
             "prefix_reuse_rule": "exact-block", "block_length": self.model_config.decode.block_length,
             "block_prefix_cache_blocks": self.engine.cache.n_blocks, "cached_tokens_total": st["cached_tokens_total"],
+            # one budget over the running windows and the cache (blockdiff/budget.py)
+            "kv_budget_tokens": self.kv_budget, "kv_used_tokens": self.engine.kv_in_use,
+            "kv_bytes_per_token": self.budget.bytes_per_token,
             "prompt_tokens_total": st["prompt_tokens_total"], "computed_rows_total": st["computed_rows_total"],
             "decoding": self.algorithm.describe(self.model_config.decode),
         }
@@ -309,6 +321,10 @@ class BlockEngineClient:
         if total > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
                              f"{B} is {total} tokens, over the context length {self.context_length}")
+        if total > self.kv_budget:  # its K/V window would never fit: it would wait forever
+            raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
+                             f"{B} needs {total} K/V positions, over the whole K/V budget of {self.kv_budget} "
+                             "(--max-total-tokens)")
         # ids outside the vocabulary are never generated: dropped (the early ban indexes by id)
         if any(t >= cfg.vocab_size for t in p.stop_token_ids):
             p = p.replace(stop_token_ids=tuple(t for t in p.stop_token_ids if t < cfg.vocab_size))

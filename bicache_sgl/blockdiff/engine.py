@@ -98,17 +98,21 @@ class BlockParams:
 class BlockEngineOptions:
     """prefix_cache: reuse whole prompt blocks across requests (exact); cache_output: insert a
     finished request's committed answer blocks too (multi-turn); cache_blocks: the cache's size
-    in blocks; max_running: requests decoded together."""
+    in blocks; max_running: requests decoded together; kv_budget: K/V token positions over the
+    running requests' windows and the cache together (blockdiff/budget.py; None: unbounded)."""
 
     prefix_cache: bool = True
     cache_output: bool = True
     cache_blocks: int = 4096
     max_running: int = 16
     eos_ids: tuple[int, ...] | None = None  # the model's end ids ignore_eos bans (None: config.json's)
+    kv_budget: int | None = None  # K/V positions for the running windows and the cache (None: unbounded)
 
     def __post_init__(self) -> None:
         if self.cache_blocks < 0 or self.max_running < 1:
             raise ValueError("cache_blocks must be >= 0 and max_running >= 1")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise ValueError("kv_budget must be >= 1 (or None: unbounded)")
 
 
 @dataclass
@@ -181,6 +185,10 @@ class BlockEngine:
         if layout.total_length > self.cfg.max_position_embeddings:
             raise ValueError(f"prompt + max_new_tokens ({layout.total_length} positions in whole blocks) exceeds the "
                              f"model's max_position_embeddings ({self.cfg.max_position_embeddings})")
+        budget = self.options.kv_budget
+        if budget is not None and layout.total_length > budget:  # it would wait forever
+            raise ValueError(f"prompt + max_new_tokens ({layout.total_length} positions in whole blocks) exceeds the "
+                             f"K/V budget of {budget} positions")
         steps = params.steps or d.steps
         if d.cap_steps_by_gen_length:
             steps = effective_steps(steps, params.max_new_tokens, params.minimal_topk)
@@ -199,14 +207,44 @@ class BlockEngine:
         self.waiting.append(req)
         return req.rid
 
+    @property
+    def kv_in_use(self) -> int:
+        """K/V positions held now: the running requests' windows and the cached blocks."""
+        return self._windows() + self.cache.n_tokens
+
+    def _windows(self) -> int:
+        return sum(r.layout.total_length for r in self.running)
+
+    def _cache_room(self) -> int | None:
+        """Blocks the cache may hold beside the running windows (None: no budget)."""
+        budget = self.options.kv_budget
+        return None if budget is None else (budget - self._windows()) // self.B
+
     def _admit(self) -> None:
+        """Admit waiting requests in arrival order while there is a running slot and (with a
+        budget) room for the next one's whole window: least-recently-used cache leaves are evicted
+        to make it; when the running windows alone leave too little, it waits (head of line)."""
+        budget = self.options.kv_budget
         while self.waiting and len(self.running) < self.options.max_running:
-            r = self.waiting.popleft()
-            r.kv = BlockKV.empty(self.cfg, r.layout.total_length, self.dtype, self.device)
+            r = self.waiting[0]
+            room = None if budget is None else budget - self._windows() - r.layout.total_length
+            if room is not None and room < 0:
+                break  # only finishing requests make room: evicting the cache would not
+            self.waiting.popleft()
             hit = []
             if self.options.prefix_cache:
-                # whole prompt blocks only: the block holding the prompt's tail is computed
+                # whole prompt blocks only: the block holding the prompt's tail is computed; the
+                # match touches its path, so the eviction below takes it last
                 hit = self.cache.match(r.prompt, (len(r.prompt) // self.B) * self.B)
+            if room is not None:
+                # the cache keeps at most room // B blocks; the matched path is the newest, so it
+                # goes last, deepest block first: the blocks that survive are hit[:keep], and the
+                # references to the others are dropped before the window is allocated (exact budget)
+                keep = room // self.B
+                self.cache.shrink(keep)
+                del hit[keep:]
+            r.kv = BlockKV.empty(self.cfg, r.layout.total_length, self.dtype, self.device)
+            if hit:
                 for b, (k, v) in enumerate(hit):
                     r.kv.k[:, b * self.B:(b + 1) * self.B] = k
                     r.kv.v[:, b * self.B:(b + 1) * self.B] = v
@@ -243,7 +281,8 @@ class BlockEngine:
             if r.forwards == 1 and self.options.prefix_cache and r.kv.committed > r.reused:
                 # the prompt's whole blocks are final after the first forward: cache them now, so
                 # requests admitted later share them while this one still decodes
-                self.cache.insert(r.prompt, min(r.kv.committed, (len(r.prompt) // self.B) * self.B), r.kv.k, r.kv.v)
+                self.cache.insert(r.prompt, min(r.kv.committed, (len(r.prompt) // self.B) * self.B), r.kv.k, r.kv.v,
+                                  room=self._cache_room())
             if not r.generates:
                 finished.append(r)
                 continue
@@ -332,7 +371,8 @@ class BlockEngine:
             # committed rows: the prompt's whole blocks, and with cache_output the answer's
             # committed blocks (their tokens and K/V are final)
             n = r.kv.committed if self.options.cache_output else min(r.kv.committed, (P // self.B) * self.B)
-            self.cache.insert(r.x.tolist(), n, r.kv.k, r.kv.v)
+            # r is out of the running windows already; its buffer is freed right after the copy
+            self.cache.insert(r.x.tolist(), n, r.kv.k, r.kv.v, room=self._cache_room())
         stop = self._stop_ids(r)
         # aborted by its constraint: the committed blocks only (the current one is not final)
         tokens = cut_answer(r.x[P:max(P, r.block * self.B) if r.abort else None].tolist(), r.params.max_new_tokens,

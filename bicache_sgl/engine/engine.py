@@ -56,6 +56,9 @@ class Engine:
 
     in_process = True
     submit_returns_at_once = False  # submit takes the engine's lock, which a step may hold
+    # a ValidRequest (validated in the server process against the limits it was sent) is taken as
+    # it is: an EngineProcessClient in front of this engine validates and sends one-way
+    accepts_valid_requests = True
 
     def __init__(self, model_path: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if model_path is not None:
@@ -93,6 +96,11 @@ class Engine:
     @property
     def n_layers(self) -> int:
         return self.model_config.n_layers
+
+    @property
+    def kv_budget(self) -> int:
+        """The scheduler's private K/V budget over all running requests (positions)."""
+        return self.scheduler.admission.kv_budget
 
     # --------------------------------------------------------------------------------- requests
     def submit(self, greq: GenerateRequest, on_event: Callable[[RequestEvent], None] | None = None) -> str:

@@ -7,13 +7,17 @@ share one GIL, and the engine's OpenMP threads compete with the server threads f
 In a child process the engine's loop never waits on HTTP work, and each process gets its own
 thread budget (:func:`default_engine_threads`).
 
-:class:`EngineProcessClient` (parent side) implements ``EngineClient``. Each request is validated
-once, here, by the pure ``validate_request`` against the limits the child reports (its model, its
+:class:`EngineProcessClient` (parent side) implements ``EngineClient``, for whichever engine the
+child builds for the checkpoint (engine/local.py: the bidirectional engine, or the block-diffusion
+engine of a LLaDA2.x / SDAR folder). For the bidirectional engine each request is validated once,
+here, by the pure ``validate_request`` against the limits the child reports (its model, its
 context length, its K/V budget) plus the cached constraint check, so a bad request is a
 synchronous ``ValueError``; the child trusts the :class:`ValidRequest` it is sent, and ``submit``
-is a one-way send (no round trip). Only with ``max_queued_requests`` set does a submission wait
-for the child's answer (the queue length lives there), so a full queue is still a synchronous
-``QueueFullError``. Events come back on a receiver thread that calls the registered ``on_event``
+is a one-way send (no round trip). A submission waits for the child's answer when the queue
+length matters (``max_queued_requests`` set: it lives there, so a full queue is still a
+synchronous ``QueueFullError``) or when the child's engine validates every submission itself
+(the block engine: ``accepts_valid_requests`` False in what the child reports; its refusals come
+back as the ``ValueError`` they are). Events come back on a receiver thread that calls the registered ``on_event``
 callbacks, or, once the HTTP app has called :meth:`EngineProcessClient.attach_loop`, on its event
 loop (the pipe is one more reader of the loop: an event reaches its request without a thread
 hop). The per-token texts of logprob entries (``return_text_in_logprobs``) are decoded here,
@@ -55,6 +59,13 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 STATS_TIMEOUT_S = 10.0
+
+
+def _without_logprob_texts(v: ValidRequest | GenerateRequest) -> ValidRequest | GenerateRequest:
+    """``v`` asking the engine for logprob entries without their token texts (decoded here)."""
+    if isinstance(v, GenerateRequest):
+        return dataclasses.replace(v, return_text_in_logprobs=False)
+    return dataclasses.replace(v, greq=dataclasses.replace(v.greq, return_text_in_logprobs=False))
 
 
 @dataclasses.dataclass
@@ -119,21 +130,33 @@ class EngineProcessClient:
         self.num_threads: int = info["num_threads"]
         self.device: str = info["device"]
         self.tokenizer = load_tokenizer(self.config.tokenizer_path or self.model_path, self.config.chat_template)
-        self._factory = RequestFactory(self.model_config, self.tokenizer, self.eos_ids, self.config.decode,
-                                       self.context_length, kv_budget=self.kv_budget)
+        # None: the engine validates each submission itself (the submission waits for its answer)
+        self._factory: RequestFactory | None = None
+        if info["accepts_valid_requests"]:
+            self._factory = RequestFactory(self.model_config, self.tokenizer, self.eos_ids, self.config.decode,
+                                           self.context_length, kv_budget=self.kv_budget)
 
     # --------------------------------------------------------------------------------- requests
     @property
     def submit_returns_at_once(self) -> bool:
-        """True when ``submit`` never waits on the engine process (no ``max_queued_requests``:
-        a pure validation and a one-way send), so a caller may submit on its event loop. A
-        request with a constraint may still build it while validating (cached after the first)."""
-        return self.config.max_queued_requests is None
+        """True when ``submit`` never waits on the engine process (no ``max_queued_requests``,
+        an engine that takes validated requests: a pure validation and a one-way send), so a
+        caller may submit on its event loop. A request with a constraint may still build it while
+        validating (cached after the first)."""
+        return not self._waits_for_engine
 
-    def _validated(self, greq: GenerateRequest) -> tuple[ValidRequest, list]:
+    @property
+    def _waits_for_engine(self) -> bool:
+        """Whether a submission waits for the engine process's answer (module docstring)."""
+        return self.config.max_queued_requests is not None or self._factory is None
+
+    def _validated(self, greq: GenerateRequest) -> tuple[ValidRequest | GenerateRequest, list]:
         """Validate once (pure) and check the constraint (cached build, off the caller's loop):
         the request as it is sent and the constraint index ((regex, limits, IndexData)) the
-        engine process then takes instead of building it again."""
+        engine process then takes instead of building it again. An engine that validates each
+        submission itself is sent the request as it is."""
+        if self._factory is None:
+            return greq, []
         v = validate_request(greq, self._factory.limits)
         c = self._factory.constraint(v.greq.params)
         return v, [] if c is None else [(c.regex, Limits(), c.index)]
@@ -144,15 +167,15 @@ class EngineProcessClient:
     def submit_many(self, greqs: Sequence[GenerateRequest],
                     on_events: Sequence[Callable[[RequestEvent], None] | None]) -> list[str]:
         self._chan.check_alive()
-        sent: list[ValidRequest] = []
+        sent: list[ValidRequest | GenerateRequest] = []
         seeds: list = []
         for g in greqs:
             v, built = self._validated(g)
             seeds += built
             # the texts of logprob entries are decoded here (receiver thread), not on the engine's loop
-            sent.append(dataclasses.replace(v, greq=dataclasses.replace(v.greq, return_text_in_logprobs=False)))
+            sent.append(_without_logprob_texts(v))
         rids = [v.rid for v in sent]
-        reply_id, reply = self._chan.open_reply() if self.config.max_queued_requests is not None else (None, None)
+        reply_id, reply = self._chan.open_reply() if self._waits_for_engine else (None, None)
         now = time.perf_counter()
         with self._lock:
             self._chan.check_alive()

@@ -1,8 +1,10 @@
 """The engine process's side of engine/process.py (the server process's side is
 :class:`~bicache_sgl.engine.process.EngineProcessClient`; the messages are in engine/wire.py).
 
-:func:`engine_main` loads the :class:`~bicache_sgl.engine.engine.Engine`, reports ``ready`` (or
-the startup error), then serves the parent's messages: submissions are queued on a small thread
+:func:`engine_main` loads the engine the checkpoint is served by (engine/local.py: the
+bidirectional :class:`~bicache_sgl.engine.engine.Engine`, or the block-diffusion engine of a
+LLaDA2.x / SDAR folder), reports ``ready`` (or the startup error), then serves the parent's
+messages: submissions are queued on a small thread
 pool (seeding the constraint indexes the parent built, so none is built twice), aborts that
 arrive while their request is still being queued are applied right after (a submission with
 nothing to build is queued on the message loop itself), events go back through one sender
@@ -33,7 +35,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..constrained import token_table
 from ..constrained.index import seed as seed_index
-from ..io_struct import RequestEvent
+from ..io_struct import GenerateRequest, RequestEvent
 from ..procinfo import available_cpus
 from ..scheduler.validate import ValidRequest
 from .wire import LOG_FORMAT, dumps, failed_event, portable_error
@@ -107,6 +109,12 @@ def _sender(conn: Connection, out: queue.SimpleQueue) -> None:
         log.debug("the pipe to the server process closed")
 
 
+def _greq(item: ValidRequest | GenerateRequest) -> GenerateRequest:
+    """The request of a submitted item: a ValidRequest (an engine that accepts them) or, for an
+    engine that validates every submission itself, the GenerateRequest as the client sent it."""
+    return item.greq if isinstance(item, ValidRequest) else item
+
+
 class _EventSink:
     """Every request's event callback: events go to the sender's queue, a step's events as one
     list (``Engine`` calls ``many`` once per step), so the sender thread is woken once per step;
@@ -143,9 +151,9 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
         sys.exit(code)
 
     try:
-        from .engine import Engine
+        from .local import build_local_engine
 
-        engine = Engine(config=config)
+        engine = build_local_engine(config)
     except BaseException as e:  # reported to the parent, which prints it
         log.debug("engine construction failed", exc_info=True)
         out.put(("startup_error", portable_error(e)))
@@ -159,7 +167,8 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
         "model_config": engine.model_config,
         "context_length": engine.context_length,
         "eos_ids": tuple(engine.eos_ids),
-        "kv_budget": engine.scheduler.admission.kv_budget,
+        "kv_budget": engine.kv_budget,
+        "accepts_valid_requests": engine.accepts_valid_requests,
         "config": engine.config,
         "num_threads": torch.get_num_threads(),
         "device": str(engine.device),
@@ -182,7 +191,7 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
     early_aborts: set[str] = set()  # aborts that arrived before their request was queued
     submitting_lock = threading.Lock()
 
-    def submit(valid: list[ValidRequest], reply_id: int | None, seeds: list) -> None:
+    def submit(valid: list[ValidRequest | GenerateRequest], reply_id: int | None, seeds: list) -> None:
         try:
             for regex, limits, data in seeds:
                 seed_index(regex, token_table(engine.tokenizer), limits, data)
@@ -196,7 +205,7 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
                 now = time.perf_counter()
                 for v in valid:
                     out.put(failed_event(v.rid, f"the engine refused the request: {e}",
-                                         prompt_tokens=len(v.greq.input_ids), since=now))
+                                         prompt_tokens=len(_greq(v).input_ids), since=now))
         else:
             if reply_id is not None:
                 out.put(("reply", reply_id, True, None))
@@ -223,7 +232,7 @@ def engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
             valid, reply_id, seeds = msg[1], msg[2], msg[3]
             with submitting_lock:
                 submitting.update(v.rid for v in valid)
-            if seeds or any(v.greq.params.constraint is not None for v in valid):
+            if seeds or any(_greq(v).params.constraint is not None for v in valid):
                 # off the message loop (a constraint may still take seconds to build here), in a
                 # small pool: aborts, stats and flushes keep being answered meanwhile
                 submit_pool.submit(submit, valid, reply_id, seeds)

@@ -9,11 +9,14 @@ No profile, calibration or audit applies: there is no approximation to bound.
 
 Each node holds its block's K and V at every layer ([L, block_length, Hkv, Dh] each). Reuse
 copies them into the request's K/V buffer. Eviction drops least-recently-used leaves when the
-cache holds more than ``max_blocks`` blocks. Imports nothing of the package.
+cache holds more than ``max_blocks`` blocks, or to the room given (``insert``'s
+``room``, ``shrink``: the block engine's K/V budget, shared with the running requests). Imports
+nothing of the package.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,11 +63,16 @@ class BlockPrefixCache:
             out.append((node.k, node.v))
         return out
 
-    def insert(self, ids: Sequence[int], n_tokens: int, k: torch.Tensor, v: torch.Tensor) -> int:
+    def insert(self, ids: Sequence[int], n_tokens: int, k: torch.Tensor, v: torch.Tensor,
+               room: int | None = None) -> int:
         """Cache the whole blocks of ``ids[:n_tokens]`` whose K/V are ``k[:, :n_tokens]`` /
-        ``v[:, :n_tokens]`` ([L, >= n_tokens, Hkv, Dh], final values). Returns blocks added."""
+        ``v[:, :n_tokens]`` ([L, >= n_tokens, Hkv, Dh], final values), then evict down to
+        ``min(max_blocks, room)`` blocks (older leaves first, the path just inserted last).
+        Returns blocks added."""
         B, node, now, added = self.block_length, self.root, next(self._clock), 0
-        if self.max_blocks == 0:
+        limit = self.max_blocks if room is None else max(0, min(self.max_blocks, room))
+        if limit == 0:
+            self.shrink(0)
             return 0
         for b, key in enumerate(self._blocks(ids, n_tokens)):
             child = node.children.get(key)
@@ -75,17 +83,33 @@ class BlockPrefixCache:
                 added += 1
             child.last_used = now
             node = child
-        self._evict(protect=now)
+        self.shrink(limit)
         return added
 
-    def _evict(self, protect: int) -> None:
-        while self.n_blocks > self.max_blocks:
-            leaves = [n for n in self._nodes() if not n.children and n.last_used != protect]
-            if not leaves:
-                leaves = [n for n in self._nodes() if not n.children]
-            victim = min(leaves, key=lambda n: n.last_used)
-            del victim.parent.children[victim.key]
+    def shrink(self, max_blocks: int) -> int:
+        """Evict least-recently-used leaves until at most ``max_blocks`` blocks remain; returns
+        blocks evicted. One pass over the trie, then a heap: a parent is never older than its
+        children (every touch of a node touches its path), so a parent left childless joins the
+        heap in its LRU place."""
+        if self.n_blocks <= max_blocks:
+            return 0
+        heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children]
+        heapq.heapify(heap)
+        evicted = 0
+        while self.n_blocks > max_blocks and heap:
+            _, _, victim = heapq.heappop(heap)
+            parent = victim.parent
+            del parent.children[victim.key]
             self.n_blocks -= 1
+            evicted += 1
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        return evicted
+
+    @property
+    def n_tokens(self) -> int:
+        """Token positions held (whole blocks)."""
+        return self.n_blocks * self.block_length
 
     def _nodes(self):
         stack = list(self.root.children.values())

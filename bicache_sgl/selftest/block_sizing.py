@@ -1,7 +1,8 @@
 """Sizing rows of the block-diffusion families (LLaDA2.0-mini, SDAR-8B shapes, no weights read):
 weight bytes from the published tensor shapes (every expert counted), the K/V bytes per token
-(every layer), the exact block cache the server keeps by default and the 4k-token requests that
-fit beside it on this device."""
+(every layer), the server's default K/V budget on this device (running windows + exact block
+cache: blockdiff/budget.py, the same call the engine makes once its weights are loaded) and the
+4k-token requests it holds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 
 import torch
 
+from ..blockdiff.budget import block_kv_budget
+from ..config import EngineConfig
 from ..models.block_config import block_checkpoint_names, parse_block_config
 from .report import INFO, Row
 
@@ -34,8 +37,6 @@ SDAR_8B_CONFIG = {
     "vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
 }
-from ..blockdiff.client import DEFAULT_CACHE_TOKENS  # noqa: E402  (the server's default exact block cache)
-
 REQUEST_TOKENS = 4096
 
 
@@ -49,21 +50,20 @@ def block_memory_row(label: str, config: dict, device: torch.device) -> Row:
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
         active = weights - n_moe * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
     kv_token = 2 * cfg.n_layers * cfg.kv_dim * elem
-    B = cfg.decode.block_length
-    cache_blocks = DEFAULT_CACHE_TOKENS // B
-    cache = cache_blocks * B * kv_token
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
+        after = max(0, free - weights)  # what the engine would see once the weights are loaded
     else:
         import os
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    left = free - weights - cache
-    fits = max(0, left // (REQUEST_TOKENS * kv_token))
+        free = after = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    budget = block_kv_budget(EngineConfig(), cfg, torch.float32 if elem == 4 else torch.bfloat16, device,
+                             cfg.max_position_embeddings, free_bytes=after)
+    fits = budget.tokens // REQUEST_TOKENS
     detail = (f"{'fp32' if elem == 4 else 'bf16'} weights {weights / GiB:,.2f} GiB ({active / GiB:,.2f} GiB active per "
-              f"token); K/V {kv_token:,} B/token ({cfg.n_layers} layers); exact block cache {cache_blocks:,} blocks x "
-              f"{B} = {cache_blocks * B:,} tokens ({cache / MiB:,.0f} MiB); {fits:,} requests of "
-              f"{REQUEST_TOKENS} tokens fit in the {free / GiB:.1f} GiB "
-              f"{'free' if device.type == 'cuda' else 'of host RAM'}")
+              f"token); K/V {kv_token:,} B/token ({cfg.n_layers} layers); default K/V budget (running windows + "
+              f"exact block cache) {budget.tokens:,} tokens ({budget.tokens * kv_token / GiB:,.1f} GiB of the "
+              f"{free / GiB:.1f} GiB {'free' if device.type == 'cuda' else 'of host RAM'}): {fits:,} requests of "
+              f"{REQUEST_TOKENS} tokens at once")
     return Row(SECTION, f"sizing: {label} (no weights)", INFO, detail)
 
 
