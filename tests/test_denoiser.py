@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bicache_sgl.config import ALGORITHMS, DREAM_ALGORITHMS, DecodeDefaults, SamplingParams
+from bicache_sgl.config import ALGORITHMS, BIDIRECTIONAL_ALGORITHMS, DREAM_ALGORITHMS, DecodeDefaults, SamplingParams
 from bicache_sgl.decoding import NEG_INF, num_transfer_schedule
 from bicache_sgl.decoding.denoiser import DENOISERS, DreamDenoiser, LLaDADenoiser, make_denoiser
 from bicache_sgl.decoding.dream import dream_timesteps, dream_transfer_count
@@ -29,7 +29,7 @@ def _plan(**sp) -> tuple[DecodePlan, SamplingParams]:
     return DecodePlan.resolve(params, decode), params
 
 
-@pytest.mark.parametrize("alg", ALGORITHMS)
+@pytest.mark.parametrize("alg", BIDIRECTIONAL_ALGORITHMS)
 def test_the_denoiser_is_chosen_by_schedule(alg):
     plan, params = _plan(dllm_algorithm=alg)
     d = make_denoiser(plan, params, MASK)
@@ -37,6 +37,16 @@ def test_the_denoiser_is_chosen_by_schedule(alg):
     assert type(d) is want and plan.schedule == want.schedule and DENOISERS[plan.schedule] is want
     assert d.bans_mask is (want is LLaDADenoiser)  # Dream keeps the mask in its confidence's distribution
     assert set(DENOISERS) == {"llada", "dream"}
+
+
+@pytest.mark.parametrize("alg", sorted(set(ALGORITHMS) - set(BIDIRECTIONAL_ALGORITHMS)))
+def test_block_only_algorithms_have_no_bidirectional_denoiser(alg):
+    """joint_threshold runs only in the block engine (blockdiff/engine.py): its plan's schedule has
+    no denoiser here, so the bidirectional engine cannot pick it up by accident."""
+    plan, params = _plan(dllm_algorithm=alg)
+    assert plan.schedule not in DENOISERS
+    with pytest.raises(ValueError, match=f"dllm_algorithm {alg} runs only in the block-diffusion engine"):
+        make_denoiser(plan, params, MASK)
 
 
 def _run_block(d, n_masked: int, gen: torch.Generator) -> list[int]:

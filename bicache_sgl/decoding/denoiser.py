@@ -193,5 +193,10 @@ DENOISERS: Mapping[str, type[Denoiser]] = MappingProxyType({cls.schedule: cls
 
 
 def make_denoiser(plan: DecodePlan, params: SamplingParams, mask_id: int) -> Denoiser:
-    """The denoiser of the plan's step schedule."""
-    return DENOISERS[plan.schedule](plan, params, mask_id)
+    """The denoiser of the plan's step schedule. A schedule with none here (``block``: token
+    editing, run by the block-diffusion engine) is a ValueError naming the algorithm."""
+    cls = DENOISERS.get(plan.schedule)
+    if cls is None:
+        raise ValueError(f"dllm_algorithm {plan.algorithm} runs only in the block-diffusion engine (LLaDA2.x); "
+                         f"this model takes {', '.join(sorted(DENOISERS))}-schedule algorithms")
+    return cls(plan, params, mask_id)
