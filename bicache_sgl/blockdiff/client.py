@@ -122,6 +122,7 @@ class _Live:
     reason: dict | None = None
     logprobs: Logprobs | None = None  # return_logprob: filled on the engine thread
     constraint: Constraint | None = None
+    progress: dict | None = None  # the engine's reuse / work fields at the last finished block
 
 
 class BlockEngineClient:
@@ -195,7 +196,7 @@ class BlockEngineClient:
         self._cond = threading.Condition()
         self._stop = False
         self._stats = {"finished": {"stop": 0, "length": 0, "abort": 0}, "cached_tokens_total": 0,
-                       "computed_rows_total": 0, "prompt_tokens_total": 0}
+                       "computed_rows_total": 0, "prompt_tokens_total": 0, "cache_lookups": 0, "cache_hits": 0}
         self._thread = threading.Thread(target=self._loop, name="bicache-block-engine", daemon=True)
         self._thread.start()
         log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s; decoding %s; %s)",
@@ -264,6 +265,14 @@ class BlockEngineClient:
             "finished_reqs_by_reason": dict(st["finished"]), "prefix_cache_mode": self.config.prefix_cache,
             "prefix_reuse_rule": "exact-block", "block_length": self.model_config.decode.block_length,
             "block_prefix_cache_blocks": self.engine.cache.n_blocks, "cached_tokens_total": st["cached_tokens_total"],
+            # the bidirectional engine's cache fields (kv_cache/manager.py), for dashboards and
+            # harnesses that read them: tokens the cache may hold, holds, and the hit rates of
+            # the finished requests (a hit: any whole prompt block reused)
+            "prefix_cache_capacity_tokens": self.budget.cache_tokens,
+            "prefix_cache_used_tokens": self.engine.cache.n_tokens, "cache_lookups": st["cache_lookups"],
+            "cache_hit_rate": st["cache_hits"] / st["cache_lookups"] if st["cache_lookups"] else 0.0,
+            "cache_token_hit_rate": (st["cached_tokens_total"] / st["prompt_tokens_total"]
+                                     if st["prompt_tokens_total"] else 0.0),
             # one budget over the running windows and the cache (blockdiff/budget.py)
             "kv_budget_tokens": self.kv_budget, "kv_used_tokens": self.engine.kv_in_use,
             "kv_bytes_per_token": self.budget.bytes_per_token,
@@ -397,10 +406,11 @@ class BlockEngineClient:
             self.engine.flush_cache()
             arg.set()
 
-    def _on_block(self, erid: int, gen: list[int]) -> None:
+    def _on_block(self, erid: int, gen: list[int], progress: dict) -> None:
         lv = self._by_erid.get(erid)
         if lv is None:
             return
+        lv.progress = progress
         lv.ids, lv.text, reason = lv.stops.check(gen)
         if reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
             # a stop string: the engine would go on, so the request ends after this step (its
@@ -408,7 +418,7 @@ class BlockEngineClient:
             lv.reason = reason
             self._pending_finish.append(erid)
             return
-        self._emit(lv, self._event(lv, False, None))
+        self._emit(lv, self._event(lv, False, None, progress))
 
     def _finished(self, res: BlockResult) -> None:
         lv = self._by_erid.get(res.rid)
@@ -428,6 +438,8 @@ class BlockEngineClient:
         st["cached_tokens_total"] += res.meta["cached_tokens"]
         st["computed_rows_total"] += res.meta["computed_rows"]
         st["prompt_tokens_total"] += res.meta["prompt_tokens"]
+        st["cache_lookups"] += 1
+        st["cache_hits"] += int(res.meta["cached_tokens"] > 0)
         self._final(lv, reason, meta=res.meta)
 
     def _final(self, lv: _Live, reason: dict, meta: dict | None = None, error: str | None = None) -> None:
@@ -439,12 +451,17 @@ class BlockEngineClient:
 
     def _event(self, lv: _Live, finished: bool, reason: dict | None, meta: dict | None = None,
                error: str | None = None) -> RequestEvent:
+        """The request's event; ``meta``: the engine's reuse / work fields (every block event and
+        the final one carry them, as SGLang puts every field in every frame; an abort before
+        admission has none)."""
         L = self.model_config.n_layers
         m = {"id": lv.rid, "finish_reason": reason, "prompt_tokens": len(lv.greq.input_ids),
              "completion_tokens": len(lv.ids), "e2e_latency": time.perf_counter() - lv.created}
+        meta = meta if meta is not None else lv.progress
         if meta is not None:
             R = meta["cached_tokens"]
             m.update({"cached_tokens": R, "bicache_depth": L if R else 0, "reused_prefix_tokens": R,
+                      "prefix_fraction": round(R / meta["sequence_tokens"], 6) if meta["sequence_tokens"] else 0.0,
                       "reused_prefix_start": 0, "prefix_reuse_rule": "exact-block",
                       "block_length": meta["block_length"], "forward_passes": meta["forwards"],
                       "tokens_computed": meta["computed_rows"], "computed_layer_tokens": meta["computed_rows"] * L,
