@@ -42,7 +42,7 @@ from ..constrained import Constraint
 from ..decoding.logprobs import Logprobs
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
-from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
+from ..io_struct import GenerateRequest, QueueFullError, RequestEvent, RequestFieldError
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.factory import request_constraint
@@ -53,14 +53,18 @@ from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
 
-# SamplingParams fields the block engine leaves at their defaults: field -> (default, why)
+# SamplingParams fields the block engine leaves at their defaults: field -> (default, wire name, why)
 _REFUSED = {
-    "steps": (None, "steps (the total over the generation region); block-diffusion models take steps_per_block"),
-    "dllm_algorithm": (None, "dllm_algorithm per request (the server's --dllm-algorithm sets it: LowConfidence or, "
-                             "for LLaDA2.x, JointThreshold)"),
-    "dllm_eps": (None, "eps"), "dllm_alg_temp": (None, "alg_temp"), "cfg_scale": (0.0, "cfg_scale"),
-    "cache_mode": (None, "cache_mode (block-diffusion models always use their exact block K/V cache)"),
-    "refresh_interval": (None, "refresh_interval"), "step_rows": (None, "step_rows"),
+    "steps": (None, "steps", "the steps over the whole generation region; block-diffusion models take "
+                             "steps_per_block"),
+    "dllm_algorithm": (None, "dllm_algorithm", "not per request: the server's --dllm-algorithm sets it "
+                                               "(LowConfidence or, for LLaDA2.x, JointThreshold)"),
+    "dllm_eps": (None, "eps", "a bidirectional (Dream) schedule knob"),
+    "dllm_alg_temp": (None, "alg_temp", "a bidirectional (Dream) schedule knob"),
+    "cfg_scale": (0.0, "cfg_scale", "classifier-free guidance is not implemented for them"),
+    "cache_mode": (None, "cache_mode", "they always use their exact block K/V cache"),
+    "refresh_interval": (None, "refresh_interval", "they always use their exact block K/V cache"),
+    "step_rows": (None, "step_rows", "a step computes the current block's rows"),
 }
 
 
@@ -301,31 +305,33 @@ class BlockEngineClient:
         cfg = self.model_config
         fam = cfg.family
         if greq.bicache_depth is not None:
-            raise ValueError(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at full depth")
+            raise RequestFieldError(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at "
+                                    "full depth", "bicache_depth")
         p = greq.params
-        for name, (default, what) in _REFUSED.items():
+        for name, (default, wire, why) in _REFUSED.items():
             if getattr(p, name) != default:
-                raise ValueError(f"{name}: {what} is not supported for block-diffusion models ({fam})")
+                raise RequestFieldError(f"{wire} is not supported for block-diffusion models ({fam}): {why}", wire)
         B = cfg.decode.block_length
         if p.block_length is not None and p.block_length != B:
-            raise ValueError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the exact "
-                             f"block cache is keyed by it), got {p.block_length}")
+            raise RequestFieldError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the "
+                                    f"exact block cache is keyed by it), got {p.block_length}", "block_length")
         if p.steps_per_block is not None and cfg.decode.edit_threshold is not None:
-            raise ValueError("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token editing), "
-                             "which has no step schedule (a block takes at most block_length + "
-                             "max_post_edit_steps steps)")
+            raise RequestFieldError("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token "
+                                    "editing), which has no step schedule (a block takes at most block_length + "
+                                    "max_post_edit_steps steps)", "steps_per_block")
         ids = list(greq.input_ids)
         if not ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < cfg.vocab_size for t in ids):
-            raise ValueError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})")
+            raise RequestFieldError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})", "input_ids")
         check_logprob_fields(greq)
         if p.n != 1:
             raise ValueError("n: an engine request is one sample (the server and the OpenAI routes send n > 1 as n "
                              "requests)")
         bad = [t for t, _ in p.logit_bias if t >= cfg.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise RequestFieldError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})",
+                                    "logit_bias")
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
         if total > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
