@@ -1,16 +1,17 @@
 """The general server suites and the SGLang frontend programs, run unchanged against a server on a
 tiny LLaDA2 folder (block-diffusion engine in its child process, the default layout).
 
-Nothing is copied: the protocol-level tests of tests/test_server_live.py and
-tests/test_openai_clients.py are imported here, so pytest runs them again with this module's
-``server`` fixture (a LLaDA2 server configured like theirs: block 8, context 384, the same served
-name and SGLang harness flags). Tests that assert the bundled model's content, the bidirectional
-engine's bicache profile or its in-request cache knobs are left out (the list below says which
-each suite's are). The tiny model is random, so what is checked here beyond them is protocol,
-shape, constraints and equality: the frontend program's batch answers (run_batch, 4 threads,
-prefix cached first) equal the same prompts sent alone through /generate after a flush (exact
-block reuse, batched == alone), its regex / select / fork results are well formed, and the two
-examples (examples/frontend_agent.py, examples/frontend_structured.py) run against this server.
+Nothing is copied: tests of tests/test_server_live.py (all but the two that launch servers of
+their own) and tests/test_openai_clients.py (those that neither assert the bundled model's answers
+nor address it by its served name) are bound into this module, so pytest runs them again with this
+module's ``server`` (a LLaDA2 server configured like test_server_live's: block 8, context 384, the
+same served name and SGLang harness flags); its frontend program file runs through its own
+helpers. The tiny model is random, so what is checked here beyond them is protocol, shape,
+constraints and equality: the frontend program's batch answers (run_batch, 4 threads, prefix
+cached first) equal the same prompts sent alone through /generate after a flush (exact block
+reuse, batched == alone); tool calls and response_format under bounded schemas; completions' stop
+== /generate's; the block engine's refusals named on /v1; chat roles, dtype=float, choices;
+images refused; and the two frontend examples run against a LLaDA2 server.
 """
 
 from __future__ import annotations
@@ -280,18 +281,15 @@ def test_frontend_agent_example_on_llada2(wide_server, tmp_path):
 
 def test_frontend_structured_example_on_llada2(wide_server, tmp_path):
     """examples/frontend_structured.py (its demo) against this server: the regex, int and choice
-    fields are well formed; the JSON record is complete and valid, or (the random model wandering
-    inside the schema for its 96 tokens) the example says so without a protocol error."""
+    fields are well formed and the JSON record is complete and valid under its schema (a bounded
+    one: the constraint finishes it within its 96 tokens), which the example checks itself."""
     pytest.importorskip("sglang")
     port = wide_server.url.rsplit(":", 1)[1]
     p = run_example([str(ROOT / "examples" / "frontend_structured.py"), "--port", port], tmp_path)
     out = p.stdout
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 0 and "all fields well formed" in out, out + p.stderr[-3000:]
     fields = dict(re.findall(r"^(order_id|boxes|shipping):\s+'(.*)'$", out, re.M))
-    assert re.fullmatch(r" [0-9]{4}", fields["order_id"]), out
-    assert re.fullmatch(r"[-+]?[0-9]+", fields["boxes"].strip()), out
-    assert fields["shipping"] in (" standard", " express"), out
-    assert (p.returncode == 0) == ("all fields well formed" in out), out
+    assert re.fullmatch(r" [0-9]{4}", fields["order_id"]) and fields["shipping"] in (" standard", " express"), out
 
 
 # run last: everything above (bad input, disconnects, aborts included) left no server error
