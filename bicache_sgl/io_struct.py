@@ -15,6 +15,16 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queued-requests."""
 
 
+class RequestFieldError(ValueError):
+    """An engine refused a request because of one field: ``param`` is its wire name, which the
+    server puts in the error's ``param`` (as for the fields it refuses itself). Pickles with it
+    (the engine process sends it back to the server as it is)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def new_rid() -> str:
     """A fresh request id: the one place one is minted (a request built without one gets it)."""
     return uuid.uuid4().hex

@@ -43,6 +43,7 @@ def forked(s, prefix, questions):
         f += sgl.gen("answer", max_tokens=32, stop="\n", temperature=0)
     forks.join()
     s += "Answers:" + "".join(f["answer"] for f in forks)
+    return [f["answer"] for f in forks]  # the state's ret_value: each branch's own answer
 
 
 def main() -> None:
@@ -68,6 +69,8 @@ def main() -> None:
         "select": single["choice"],
         "fork_labels": [it["answer"] for it in fam[:3]],
         "fork": [f.strip() for f in re.findall(r" ?\d", tree.text().rsplit("Answers:", 1)[-1])],
+        "fork_answers": tree.ret_value,
+        "fork_text": tree.text().rsplit("Answers:", 1)[-1],
         "errors": errors,
     }
     print("RESULT " + json.dumps(out))

@@ -39,6 +39,7 @@ def server(tmp_path_factory):
                  # SGLang harness flags this server does not know: accepted with a warning
                  disable_cuda_graph=True, cuda_graph_bs=4, grammar_backend="none")
     rt.model_path = model
+    rt.cache_slack = 1  # a cached prompt leaves at most its last token to compute (a block engine: more)
     yield rt
     rt.shutdown()
 
@@ -126,7 +127,8 @@ def test_flush_cache_variants_empty_the_cache(server):
                  lambda: requests.post(server.url + "/flush_cache", json={"empty_cache": True}, timeout=30),
                  lambda: requests.get(server.url + "/flush_cache", timeout=30),
                  lambda: requests.post(server.url + "/flush_cache?timeout=5", timeout=30)):
-        assert _cached_after_prefill(server, prompt) >= len(prompt) - 1  # byte tokenizer: 1 token per char
+        # byte tokenizer: 1 token per char
+        assert _cached_after_prefill(server, prompt) >= len(prompt) - server.cache_slack
         r = call()
         assert r.status_code == 200 and r.text.startswith("Cache flushed.")
         out = gen(server, {"text": prompt + " and more", "sampling_params": {"max_new_tokens": 0}})
@@ -297,7 +299,7 @@ def test_prefix_cache_reports_cached_tokens(server):
     gen(server, {"text": prefix, "sampling_params": {"max_new_tokens": 0}})
     out = gen(server, {"text": prefix + "Question?", "sampling_params": {"max_new_tokens": 8}})
     m = out["meta_info"]
-    assert m["cached_tokens"] >= len(prefix) - 1  # byte tokenizer: one token per character
+    assert m["cached_tokens"] >= len(prefix) - server.cache_slack  # byte tokenizer: one token per character
     assert m["bicache_depth"] > 0
 
 
@@ -681,7 +683,7 @@ def test_sglang_cache_prefix_then_cached_tokens(sgl, server):
         s += sgl.gen("out", max_tokens=8)
 
     state = f.run()
-    assert state.get_meta_info("out")["cached_tokens"] >= len(prefix) - 1
+    assert state.get_meta_info("out")["cached_tokens"] >= len(prefix) - server.cache_slack
 
 
 # ------------------------------------------------------------------------------------------------

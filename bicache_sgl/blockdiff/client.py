@@ -42,7 +42,7 @@ from ..constrained import Constraint
 from ..decoding.logprobs import Logprobs
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
-from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
+from ..io_struct import GenerateRequest, QueueFullError, RequestEvent, RequestFieldError
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.factory import request_constraint
@@ -53,14 +53,18 @@ from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
 
-# SamplingParams fields the block engine leaves at their defaults: field -> (default, why)
+# SamplingParams fields the block engine leaves at their defaults: field -> (default, wire name, why)
 _REFUSED = {
-    "steps": (None, "steps (the total over the generation region); block-diffusion models take steps_per_block"),
-    "dllm_algorithm": (None, "dllm_algorithm per request (the server's --dllm-algorithm sets it: LowConfidence or, "
-                             "for LLaDA2.x, JointThreshold)"),
-    "dllm_eps": (None, "eps"), "dllm_alg_temp": (None, "alg_temp"), "cfg_scale": (0.0, "cfg_scale"),
-    "cache_mode": (None, "cache_mode (block-diffusion models always use their exact block K/V cache)"),
-    "refresh_interval": (None, "refresh_interval"), "step_rows": (None, "step_rows"),
+    "steps": (None, "steps", "the steps over the whole generation region; block-diffusion models take "
+                             "steps_per_block"),
+    "dllm_algorithm": (None, "dllm_algorithm", "not per request: the server's --dllm-algorithm sets it "
+                                               "(LowConfidence or, for LLaDA2.x, JointThreshold)"),
+    "dllm_eps": (None, "eps", "a bidirectional (Dream) schedule knob"),
+    "dllm_alg_temp": (None, "alg_temp", "a bidirectional (Dream) schedule knob"),
+    "cfg_scale": (0.0, "cfg_scale", "classifier-free guidance is not implemented for them"),
+    "cache_mode": (None, "cache_mode", "they always use their exact block K/V cache"),
+    "refresh_interval": (None, "refresh_interval", "they always use their exact block K/V cache"),
+    "step_rows": (None, "step_rows", "a step computes the current block's rows"),
 }
 
 
@@ -122,6 +126,7 @@ class _Live:
     reason: dict | None = None
     logprobs: Logprobs | None = None  # return_logprob: filled on the engine thread
     constraint: Constraint | None = None
+    progress: dict | None = None  # the engine's reuse / work fields at the last finished block
 
 
 class BlockEngineClient:
@@ -195,7 +200,7 @@ class BlockEngineClient:
         self._cond = threading.Condition()
         self._stop = False
         self._stats = {"finished": {"stop": 0, "length": 0, "abort": 0}, "cached_tokens_total": 0,
-                       "computed_rows_total": 0, "prompt_tokens_total": 0}
+                       "computed_rows_total": 0, "prompt_tokens_total": 0, "cache_lookups": 0, "cache_hits": 0}
         self._thread = threading.Thread(target=self._loop, name="bicache-block-engine", daemon=True)
         self._thread.start()
         log.info("block-diffusion engine: %s (%s, block length %d, %d layers, prefix reuse %s; decoding %s; %s)",
@@ -264,6 +269,14 @@ class BlockEngineClient:
             "finished_reqs_by_reason": dict(st["finished"]), "prefix_cache_mode": self.config.prefix_cache,
             "prefix_reuse_rule": "exact-block", "block_length": self.model_config.decode.block_length,
             "block_prefix_cache_blocks": self.engine.cache.n_blocks, "cached_tokens_total": st["cached_tokens_total"],
+            # the bidirectional engine's cache fields (kv_cache/manager.py), for dashboards and
+            # harnesses that read them: tokens the cache may hold, holds, and the hit rates of
+            # the finished requests (a hit: any whole prompt block reused)
+            "prefix_cache_capacity_tokens": self.budget.cache_tokens,
+            "prefix_cache_used_tokens": self.engine.cache.n_tokens, "cache_lookups": st["cache_lookups"],
+            "cache_hit_rate": st["cache_hits"] / st["cache_lookups"] if st["cache_lookups"] else 0.0,
+            "cache_token_hit_rate": (st["cached_tokens_total"] / st["prompt_tokens_total"]
+                                     if st["prompt_tokens_total"] else 0.0),
             # one budget over the running windows and the cache (blockdiff/budget.py)
             "kv_budget_tokens": self.kv_budget, "kv_used_tokens": self.engine.kv_in_use,
             "kv_bytes_per_token": self.budget.bytes_per_token,
@@ -292,31 +305,33 @@ class BlockEngineClient:
         cfg = self.model_config
         fam = cfg.family
         if greq.bicache_depth is not None:
-            raise ValueError(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at full depth")
+            raise RequestFieldError(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at "
+                                    "full depth", "bicache_depth")
         p = greq.params
-        for name, (default, what) in _REFUSED.items():
+        for name, (default, wire, why) in _REFUSED.items():
             if getattr(p, name) != default:
-                raise ValueError(f"{name}: {what} is not supported for block-diffusion models ({fam})")
+                raise RequestFieldError(f"{wire} is not supported for block-diffusion models ({fam}): {why}", wire)
         B = cfg.decode.block_length
         if p.block_length is not None and p.block_length != B:
-            raise ValueError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the exact "
-                             f"block cache is keyed by it), got {p.block_length}")
+            raise RequestFieldError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the "
+                                    f"exact block cache is keyed by it), got {p.block_length}", "block_length")
         if p.steps_per_block is not None and cfg.decode.edit_threshold is not None:
-            raise ValueError("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token editing), "
-                             "which has no step schedule (a block takes at most block_length + "
-                             "max_post_edit_steps steps)")
+            raise RequestFieldError("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token "
+                                    "editing), which has no step schedule (a block takes at most block_length + "
+                                    "max_post_edit_steps steps)", "steps_per_block")
         ids = list(greq.input_ids)
         if not ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < cfg.vocab_size for t in ids):
-            raise ValueError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})")
+            raise RequestFieldError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})", "input_ids")
         check_logprob_fields(greq)
         if p.n != 1:
             raise ValueError("n: an engine request is one sample (the server and the OpenAI routes send n > 1 as n "
                              "requests)")
         bad = [t for t, _ in p.logit_bias if t >= cfg.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise RequestFieldError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})",
+                                    "logit_bias")
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
         if total > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
@@ -397,10 +412,11 @@ class BlockEngineClient:
             self.engine.flush_cache()
             arg.set()
 
-    def _on_block(self, erid: int, gen: list[int]) -> None:
+    def _on_block(self, erid: int, gen: list[int], progress: dict) -> None:
         lv = self._by_erid.get(erid)
         if lv is None:
             return
+        lv.progress = progress
         lv.ids, lv.text, reason = lv.stops.check(gen)
         if reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
             # a stop string: the engine would go on, so the request ends after this step (its
@@ -408,7 +424,7 @@ class BlockEngineClient:
             lv.reason = reason
             self._pending_finish.append(erid)
             return
-        self._emit(lv, self._event(lv, False, None))
+        self._emit(lv, self._event(lv, False, None, progress))
 
     def _finished(self, res: BlockResult) -> None:
         lv = self._by_erid.get(res.rid)
@@ -428,6 +444,8 @@ class BlockEngineClient:
         st["cached_tokens_total"] += res.meta["cached_tokens"]
         st["computed_rows_total"] += res.meta["computed_rows"]
         st["prompt_tokens_total"] += res.meta["prompt_tokens"]
+        st["cache_lookups"] += 1
+        st["cache_hits"] += int(res.meta["cached_tokens"] > 0)
         self._final(lv, reason, meta=res.meta)
 
     def _final(self, lv: _Live, reason: dict, meta: dict | None = None, error: str | None = None) -> None:
@@ -439,12 +457,17 @@ class BlockEngineClient:
 
     def _event(self, lv: _Live, finished: bool, reason: dict | None, meta: dict | None = None,
                error: str | None = None) -> RequestEvent:
+        """The request's event; ``meta``: the engine's reuse / work fields (every block event and
+        the final one carry them, as SGLang puts every field in every frame; an abort before
+        admission has none)."""
         L = self.model_config.n_layers
         m = {"id": lv.rid, "finish_reason": reason, "prompt_tokens": len(lv.greq.input_ids),
              "completion_tokens": len(lv.ids), "e2e_latency": time.perf_counter() - lv.created}
+        meta = meta if meta is not None else lv.progress
         if meta is not None:
             R = meta["cached_tokens"]
             m.update({"cached_tokens": R, "bicache_depth": L if R else 0, "reused_prefix_tokens": R,
+                      "prefix_fraction": round(R / meta["sequence_tokens"], 6) if meta["sequence_tokens"] else 0.0,
                       "reused_prefix_start": 0, "prefix_reuse_rule": "exact-block",
                       "block_length": meta["block_length"], "forward_passes": meta["forwards"],
                       "tokens_computed": meta["computed_rows"], "computed_layer_tokens": meta["computed_rows"] * L,

@@ -164,8 +164,8 @@ class BlockEngine:
         self.running: list[_Req] = []
         self.done: dict[int, BlockResult] = {}
         self._rids = itertools.count()
-        # called with (rid, generated tokens so far) each time a request finishes a block
-        self.on_block: Callable[[int, list[int]], None] | None = None
+        # called with (rid, the output so far, _progress) when a block is done (streaming)
+        self.on_block: Callable[[int, list[int], dict], None] | None = None
         w = model.embed.weight
         self.dtype, self.device = w.dtype, w.device
 
@@ -323,7 +323,7 @@ class BlockEngine:
         r.finished_blocks.append(r.x[max(a, P):b].tolist())
         gen = r.x[P:b]
         if self.on_block is not None:
-            self.on_block(r.rid, gen.tolist())
+            self.on_block(r.rid, gen.tolist(), self._progress(r))
         eos = torch.tensor(self._stop_ids(r), dtype=torch.long)
         if bool(torch.isin(gen, eos).any()) or r.block + 1 == r.layout.num_blocks:
             return True
@@ -377,17 +377,21 @@ class BlockEngine:
         # aborted by its constraint: the committed blocks only (the current one is not final)
         tokens = cut_answer(r.x[P:max(P, r.block * self.B) if r.abort else None].tolist(), r.params.max_new_tokens,
                             stop)
-        L = self.cfg.n_layers
-        meta = {
-            "prompt_tokens": P, "completion_tokens": len(tokens), "cached_tokens": r.reused,
-            "bicache_depth": L if r.reused else 0, "reused_span": [0, r.reused], "block_length": self.B,
-            "reuse_rule": "exact-block", "forwards": r.forwards, "computed_rows": r.computed_rows,
-            "finish_reason": "abort" if r.abort else "stop" if tokens and tokens[-1] in stop else "length",
-        }
+        meta = {**self._progress(r), "completion_tokens": len(tokens),
+                "finish_reason": "abort" if r.abort else "stop" if tokens and tokens[-1] in stop else "length"}
         if r.abort:
             meta["abort"] = r.abort  # {"type": "abort", "message": ...}
         r.kv = None  # free the buffer
         return BlockResult(r.rid, tokens, meta, r.sampler.structured)
+
+    def _progress(self, r: _Req) -> dict:
+        """The request's reuse and work so far (known from admission on; every event carries it):
+        the reused span ``[0, R)`` (whole blocks, full depth), forwards and computed rows."""
+        P, L = len(r.prompt), self.cfg.n_layers
+        return {"prompt_tokens": P, "cached_tokens": r.reused, "bicache_depth": L if r.reused else 0,
+                "reused_span": [0, r.reused], "sequence_tokens": P + r.params.max_new_tokens,
+                "block_length": self.B, "reuse_rule": "exact-block", "forwards": r.forwards,
+                "computed_rows": r.computed_rows}
 
     def _stop_ids(self, r: _Req) -> tuple[int, ...]:
         return self.cfg.eos_token_ids if r.params.stop_ids is None else r.params.stop_ids

@@ -107,8 +107,8 @@ class Submission:
             if isinstance(e, QueueFullError):
                 raise APIError(f"the server is overloaded: {e}" if str(e) else "the request queue is full",
                                status=503) from None
-            if isinstance(e, (ValueError, TypeError)):
-                raise APIError(str(e)) from None
+            if isinstance(e, (ValueError, TypeError)):  # a RequestFieldError names its field
+                raise APIError(str(e), param=getattr(e, "param", None)) from None
             raise
 
     def abort(self) -> None:

@@ -90,13 +90,19 @@ async def server_info(request: Request) -> ORJSONResponse:
 
     state = get_state(request)
     info = state.args.public_dict()
+    internal = await state.internal_state()
     info.update({
         "version": __version__,
         "model_path": state.model_path,
         "served_model_name": state.served_model_name,
         "context_length": state.context_length,
-        "internal_states": [await state.internal_state()],
+        "internal_states": [internal],
     })
+    # a block-diffusion engine decodes with the checkpoint's block length and schedule unless a
+    # flag overrides it: the top-level decode fields say what it runs, not the flags' defaults
+    decoding = internal.get("decoding")
+    if isinstance(decoding, dict):
+        info.update({k: decoding[k] for k in ("block_length", "threshold", "steps_per_block") if k in decoding})
     return ORJSONResponse(info)
 
 
