@@ -15,6 +15,15 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queued-requests."""
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses (``bicache_sgl.scheduler.validate``). ``param``: the request
+    field it is about (the server's 400 names it), None when no one field is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def new_rid() -> str:
     """A fresh request id: the one place one is minted (a request built without one gets it)."""
     return uuid.uuid4().hex

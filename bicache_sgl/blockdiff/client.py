@@ -31,6 +31,7 @@ from ..decoding.text import Detokenizer
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
+from ..scheduler.validate import check_context, check_prompt_ids
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
 
 log = logging.getLogger(__name__)
@@ -264,16 +265,10 @@ class BlockEngineClient:
             raise ValueError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the exact "
                              f"block cache is keyed by it), got {p.block_length}")
         ids = list(greq.input_ids)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < cfg.vocab_size for t in ids):
-            raise ValueError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})")
+        check_prompt_ids(ids, cfg.vocab_size)  # the engine's rules, as the dLLM engine checks them
         if p.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1 for block-diffusion models")
-        total = -(-(len(ids) + p.max_new_tokens) // B) * B
-        if total > self.context_length:
-            raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
-                             f"{B} is {total} tokens, over the context length {self.context_length}")
+        check_context(len(ids), p.max_new_tokens, self.context_length, block=B)  # it runs whole blocks
         stops = StopRule(p, self.eos_ids, p.max_new_tokens, Detokenizer(self.tokenizer, p.skip_special_tokens))
         return _Live(greq.rid, greq, stops, on_event, time.perf_counter())
 

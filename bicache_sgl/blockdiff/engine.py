@@ -32,6 +32,7 @@ import torch
 from ..decoding.block import BlockLayout, cut_answer, effective_steps, sample_tokens, select_transfer, transfer_schedule
 from ..kv_cache.block_prefix import BlockPrefixCache
 from ..models.block_model import BlockDiffusionLM, BlockKV, RowsWork
+from ..scheduler.validate import check_context, check_prompt_ids
 
 
 @dataclass(frozen=True)
@@ -134,15 +135,10 @@ class BlockEngine:
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: BlockParams = BlockParams()) -> int:
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
-            raise ValueError(f"a prompt token id is outside the vocabulary ({self.cfg.vocab_size})")
+        check_prompt_ids(prompt, self.cfg.vocab_size)
+        check_context(len(prompt), params.max_new_tokens, self.cfg.max_position_embeddings, block=self.B)
         d = self.cfg.decode
         layout = BlockLayout(len(prompt), params.max_new_tokens, self.B)
-        if layout.total_length > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens ({layout.total_length} positions in whole blocks) exceeds the "
-                             f"model's max_position_embeddings ({self.cfg.max_position_embeddings})")
         steps = params.steps or d.steps
         if d.cap_steps_by_gen_length:
             steps = effective_steps(steps, params.max_new_tokens, params.minimal_topk)
