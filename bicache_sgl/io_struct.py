@@ -15,10 +15,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queued-requests."""
 
 
-class RequestFieldError(ValueError):
-    """An engine refused a request because of one field: ``param`` is its wire name, which the
-    server puts in the error's ``param`` (as for the fields it refuses itself). Pickles with it
-    (the engine process sends it back to the server as it is)."""
+class InvalidRequest(ValueError):
+    """A request the engine refuses (``bicache_sgl.scheduler.validate``, the block-diffusion
+    client). ``param``: the request field it is about (the server's 400 names it), None when no
+    one field is. It pickles with ``param`` (an engine process sends it back as it is)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,3 +158,63 @@ def test_shipped_profile_bucket_is_lowered_and_logged(planted, tmp_path, caplog)
         finally:
             eng.shutdown()
     assert "of the profile shipped-planted (exact) goes from depth 4 to 2" in caplog.text
+
+
+def test_online_audit_allocates_adds_swaps_records_and_gives_back(tiny_llada):
+    """The audit's one object (OnlineAudit) on a real pool and real requests: an audited request
+    gets its shadow at admission, its first forward carries the shadow (which takes over the
+    capture), the forward's exact logits replace its own and its K/V becomes the shadow's (no reuse
+    after), the comparison is recorded, and at release every row goes back. With no room for a
+    shadow the request reuses nothing; a request's own bicache_depth is never audited."""
+    from bicache_sgl.bicache.audit import OnlineAudit
+    from bicache_sgl.bicache.planner import ReusePlan
+    from bicache_sgl.config import DecodeDefaults, SamplingParams
+    from bicache_sgl.io_struct import GenerateRequest
+    from bicache_sgl.kv_cache.manager import CacheGrant
+    from bicache_sgl.kv_cache.pool import KVPool
+    from bicache_sgl.kv_cache.store import Capture
+    from bicache_sgl.models.loader import load_model_config, load_tokenizer
+    from bicache_sgl.scheduler.factory import RequestFactory
+
+    mc = load_model_config(tiny_llada)
+    L = mc.n_layers
+    factory = RequestFactory(mc, load_tokenizer(tiny_llada), mc.eos_token_ids, DecodeDefaults(block_length=8), 256)
+    depths = DepthAudit(BicacheProfile(((0, 0), (50, L)), L), rate=1.0)
+
+    def admitted(pool: KVPool, audit: OnlineAudit, **kw) -> object:
+        req = factory.build(GenerateRequest(list(range(10, 30)), SamplingParams(max_new_tokens=8), **kw), None)
+        req.attach_kv([pool.alloc_request(n) for n in req.kv_lengths()])
+        req.grant = CacheGrant(ReusePlan(16, 16, 2, 0.8, 0, req.seq_len), capture=Capture({}))
+        audit.admit(req, req.facts())
+        return req
+
+    seq = 20 + 8
+    pool = KVPool(mc, 16, 64, 2 * L * seq, torch.float32, torch.device("cpu"))  # the request and one shadow
+    audit = OnlineAudit(depths, pool)
+    req = admitted(pool, audit)
+    assert pool.request_rows.num_free == 0 and req.choice.depth == 2  # the shadow is allocated, reuse kept
+    own_kv, capture = req.kv, req.grant.capture
+    works = audit.add(req, req.plan_step(L))
+    assert len(works) == 2 and works[0].kv is own_kv and works[0].depth == 2 and works[0].capture is None
+    shadow = works[1]
+    assert shadow.kv is not own_kv and shadow.depth == 0 and shadow.capture is capture
+    assert np.array_equal(shadow.positions, works[0].positions)
+    n = len(works[0].logit_positions)
+    reused, exact = torch.zeros(n, 16), torch.zeros(n, 16)
+    exact[:, 3] = 1.0  # every top-1 differs: a disagreement
+    assert audit.apply(req, [reused, exact])[0] is exact
+    assert req.kv is shadow.kv and req.served_exact and req.choice.depth == 0
+    st = depths.stats()
+    assert st["bicache_audit_samples_total"] == 1 and st["bicache_audit_disagreements_total"] == 1
+    assert len(audit.add(req, req.plan_step(L))) == 1  # the shadow served its one forward
+    for kv in req.detach_kv():
+        pool.free_seq(kv)
+    audit.release(req)
+    assert pool.request_rows.num_free == 2 * L * seq  # the request's rows and the ones it left
+
+    tight = KVPool(mc, 16, 64, L * seq, torch.float32, torch.device("cpu"))  # the request only
+    audit = OnlineAudit(depths, tight)
+    req = admitted(tight, audit)
+    assert req.choice.depth == 0 and len(audit.add(req, req.plan_step(L))) == 1  # no shadow: no reuse
+    forced = admitted(pool, OnlineAudit(depths, pool), bicache_depth=2)
+    assert forced.choice.depth == 2 and pool.request_rows.num_free == L * seq  # its own depth: not audited

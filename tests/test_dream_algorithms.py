@@ -353,7 +353,7 @@ def test_request_parameters_and_errors():
     from bicache_sgl.server.protocol import APIError, parse_generate
     with pytest.raises(APIError) as e:
         parse_generate({"input_ids": [1, 2], "sampling_params": {"dllm_algorithm": "nope"}}, lambda t: [1],
-                       vocab_size=256, context_length=64)
+                       context_length=64)
     assert e.value.status == 400 and "maskgit_plus" in e.value.message and "entropy" in e.value.message
     check_completion_body({"model": "m", "prompt": "a", "dllm_algorithm": "entropy", "eps": 0.01, "alg_temp": 0.1})
     check_chat_body({"model": "m", "messages": [], "dllm_algorithm": "origin"})

@@ -834,6 +834,26 @@ def test_context_rule_is_prompt_plus_max_new_tokens(server):
     assert r.status_code == 400 and "context length" in r.text
 
 
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/generate", {"input_ids": [1, 10**6]}, None, "outside the vocabulary"),
+    ("/generate", {"input_ids": [5] * (CONTEXT - 4), "sampling_params": {"max_new_tokens": 5}}, None,
+     "plus max_new_tokens (5) exceeds the context length"),
+    ("/generate", {"input_ids": [5] * (CONTEXT + 1)}, None, "longer than the context length"),
+    ("/v1/completions", {"model": "tiny-llada", "prompt": [1, 10**6], "max_tokens": 4}, "prompt",
+     "outside the vocabulary"),
+    ("/v1/completions", {"model": "tiny-llada", "prompt": [5] * (CONTEXT - 4), "max_tokens": 5}, "max_tokens",
+     "exceeds the context length"),
+])
+def test_the_engines_vocabulary_and_context_refusals_are_400s_naming_the_field(server, path, body, param, words):
+    """The vocabulary and context rules are the engine's (scheduler/validate.py), checked once at
+    submit; the server answers its refusal with a 400 saying why (on /v1, ``param`` names the
+    route's own field)."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err.get("param") == param, err
+
+
 def test_sglang_streamed_program_with_logprobs_matches_the_final_reply(sgl):
     """A frontend program with return_logprob=True and stream=True: every chunk parses (an
     intermediate frame without logprobs broke the client), and the final meta_info holds one

@@ -10,10 +10,10 @@ import pytest
 
 from bicache_sgl.config import DecodeDefaults, SamplingParams
 from bicache_sgl.engine.wire import failed_event
-from bicache_sgl.io_struct import GenerateRequest
+from bicache_sgl.io_struct import GenerateRequest, InvalidRequest
 from bicache_sgl.models.loader import load_model_config, load_tokenizer
 from bicache_sgl.scheduler.factory import RequestFactory
-from bicache_sgl.scheduler.validate import RequestLimits, ValidRequest, validate_request
+from bicache_sgl.scheduler.validate import RequestLimits, ValidRequest, check_context, validate_request
 from bicache_sgl.testing import make_tiny_llada
 
 CONTEXT = 256
@@ -65,6 +65,29 @@ def test_validate_names_what_is_wrong(model, greq, message):
     with pytest.raises(ValueError) as e:
         validate_request(greq, limits(cfg, kv_budget=64))
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("greq,param,message", [
+    (GenerateRequest([1, 10**6]), "input_ids", "token id 1000000 is outside the vocabulary [0, "),
+    (GenerateRequest([1] * 257, SamplingParams(max_new_tokens=0)), "prompt", "longer than the context length 256"),
+    (GenerateRequest([1] * 256, SamplingParams(max_new_tokens=1)), "prompt", "no room is left to generate"),
+    (GenerateRequest([1] * 250, SamplingParams(max_new_tokens=10)), "max_new_tokens", "exceeds the context length"),
+])
+def test_the_context_and_vocabulary_rules_name_the_field(model, greq, param, message):
+    """The one check of each rule (the server's 400 names ``param``: server/bridge.py): the offline
+    engine and the server get the same refusal."""
+    cfg, _ = model
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(greq, limits(cfg))
+    assert e.value.param == param and message in str(e.value)
+    assert validate_request(GenerateRequest([1] * 256, SamplingParams(max_new_tokens=0)), limits(cfg)).kv_tokens == 256
+
+
+def test_block_models_count_the_context_in_whole_blocks():
+    check_context(60, 4, 64, block=8)  # 64 positions: fits
+    with pytest.raises(InvalidRequest, match=r"in whole blocks of 8 \(72 tokens\)") as e:
+        check_context(60, 5, 64, block=8)
+    assert e.value.param == "max_new_tokens"
 
 
 def test_a_validated_request_is_trusted(model):

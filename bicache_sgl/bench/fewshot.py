@@ -1,5 +1,6 @@
 """Few-shot batch evaluation against a running server, in the style of SGLang's
-``benchmark/gsm8k/bench_sglang.py``.
+``benchmark/gsm8k/bench_sglang.py``. (A benchmark, not the runtime; a little over 450 lines: the
+data loaders, the frontend program, the scoring and the cache statistics of one run.)
 
 An SGLang frontend program (``sgl.function`` + ``sgl.gen``, run with ``run_batch``) sends every
 question to the server behind ``--host``/``--port``, scores the answers, and prints::

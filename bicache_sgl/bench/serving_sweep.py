@@ -1,5 +1,9 @@
 """Serving sweep: bicache against the baselines, through real clients, one table + one plot per run.
 
+Longer than ~450 lines on purpose: it is a benchmark (not the runtime), one run from flags to the
+record (servers, workloads, client commands, counters, table, plot), and its pieces are shared
+with examples/bench_serving_ab.py by import, so they stay in the one module both read.
+
 For every configuration the script starts its own server (``bicache_sgl.runtime.Runtime``:
 ``python -m bicache_sgl.launch_server`` on a free loopback port, ready once ``/health_generate``
 answers), runs every workload against it

@@ -6,6 +6,13 @@ state). The request then continues from the exact forward: its answer equals cac
 the audit finds. The two distributions at the masked positions are compared (top-1 agreement,
 KL(exact || reused)) and kept per r-bucket (the profile's table rows).
 
+Two objects: :class:`DepthAudit`, the per-bucket trust the depth policy reads (its caps) and the
+statistics; and :class:`OnlineAudit`, the scheduler's one handle on the audit of its requests: at
+admission it decides whether a request is audited and allocates its shadow (or, with no room for
+one, serves the request without reuse), it adds the shadow to the request's first forward, and
+after that forward it records the comparison and swaps the request onto the exact K/V. A request
+(``scheduler/request.py``) knows nothing of this beyond ``continue_exact``.
+
 - probation: a bucket is trusted only after ``probation`` consecutive audits at its current depth
   agreed; until then EVERY reusing request in it is audited (so served exact); after that, the
   configured ``rate``;
@@ -32,7 +39,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -209,3 +217,89 @@ class DepthAudit:
                 "bicache_audit_bucket_trusted": {self._key(m, b): int(b.streak >= self.probation)
                                                  for m, bs in self._by_mode.items() for b in bs},
             }
+
+
+class ShadowPool(Protocol):
+    """Where shadows come from (``kv_cache.pool.KVPool``): private rows of one sequence, all
+    layers, outside the admission budget (None: no room)."""
+
+    def alloc_seq(self, n_positions: int) -> Any | None: ...
+
+    def free_seq(self, kv: Any) -> None: ...
+
+
+class AuditedRequest(Protocol):
+    """What the audit reads of a request (``scheduler.request.Req``)."""
+
+    generates: bool
+    seq_len: int
+    grant: Any  # kv_cache.manager.CacheGrant: .plan (a ReusePlan), .give_up_reuse()
+
+    def continue_exact(self, kv: Any) -> Any: ...
+
+
+@dataclass
+class _Shadow:
+    kv: Any  # SeqKV: the shadow's rows, after the first forward the rows the request left
+    applied: bool = False  # the first forward ran and the request continues on the shadow's rows
+
+
+class OnlineAudit:
+    """The audit of one scheduler's running requests (module docstring). ``depths`` None: nothing
+    is audited (every call passes the request through). Engine-thread only, like the scheduler;
+    the shared state it records into (``depths``) is thread-safe."""
+
+    def __init__(self, depths: DepthAudit | None, pool: ShadowPool) -> None:
+        self.depths, self._pool = depths, pool
+        # admitted requests with a shadow, until they retire: before the first forward the
+        # shadow's rows, after it the rows the request left (given back at release, as they are)
+        self._shadows: dict[AuditedRequest, _Shadow] = {}
+
+    def admit(self, req: AuditedRequest, facts: Any) -> None:
+        """After the cache manager's grant, before its rows are shared: whether ``req`` (its
+        ``facts``: planner.RequestFacts) is audited, and its shadow. Only a depth the engine's
+        policy chose is audited (not an exact request's, not its own ``bicache_depth``). A
+        request that would be audited but finds no room for its shadow reuses nothing."""
+        plan = req.grant.plan
+        if self.depths is None or plan.depth <= 0 or facts.exact or facts.forced_depth is not None:
+            return
+        # drawn for every such request, a prefill-only one (an output capture) too, which is never
+        # audited: the rate's random draws follow the admissions
+        if not self.depths.should_audit(plan.r, plan.mode) or not req.generates:
+            return
+        kv = self._pool.alloc_seq(req.seq_len)  # outside the admission budget
+        if kv is None:
+            req.grant.give_up_reuse()
+            return
+        self._shadows[req] = _Shadow(kv)
+
+    def add(self, req: AuditedRequest, works: list[Any]) -> list[Any]:
+        """The sequences ``req`` planned (``SeqWork``, its own first), with its shadow appended
+        on its first forward: the same positions computed in full on the shadow's rows. The shadow
+        carries the request's capture (what is stored is then this request's own exact state,
+        whatever the audit finds); the reusing sequence stores nothing."""
+        s = self._shadows.get(req) if self._shadows else None
+        if s is None or s.applied:
+            return works
+        own = works[0]
+        shadow = replace(own, kv=s.kv, depth=0, skip=0, skip_from=0, resume_rows=None)
+        return [replace(own, capture=None), *works[1:], shadow]
+
+    def apply(self, req: AuditedRequest, logits: list[Any]) -> list[Any]:
+        """The logits of ``req``'s sequences after a forward, as the request consumes them. After
+        an audited first forward: record reused vs exact, and the request continues from the
+        exact one (its logits replace its own, its K/V becomes the shadow's, later forwards
+        reuse nothing)."""
+        s = self._shadows.get(req) if self._shadows else None
+        if s is None or s.applied:
+            return logits
+        plan = req.grant.plan
+        self.depths.record(plan.r, plan.depth, logits[0], logits[-1], plan.mode)
+        s.kv, s.applied = req.continue_exact(s.kv), True
+        return [logits[-1], *logits[1:-1]]
+
+    def release(self, req: AuditedRequest) -> None:
+        """``req`` retired: its shadow's rows (or the rows it left for them) go back."""
+        s = self._shadows.pop(req, None)
+        if s is not None:
+            self._pool.free_seq(s.kv)

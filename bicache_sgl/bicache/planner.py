@@ -1,5 +1,6 @@
 """The depth decision, in one place: from a request's facts and its radix match, which positions it
-reuses, at what depth, what its first forward stores or upgrades, and whether it is audited.
+reuses, at what depth, and what its first forward stores or upgrades (whether it is audited is the
+online audit's: bicache/audit.py ``OnlineAudit.admit``).
 
 The capture-context rule (docs/prefix_cache.md). A cached row of token t at layer l was computed in
 ONE forward, the capturing request C's, over C's whole sequence (prompt + generation region). The
@@ -102,7 +103,6 @@ class ReusePlan:
     seq_len: int = 0
     # rows the first forward writes: (first position, end position, first layer, end layer)
     store: tuple[tuple[int, int, int, int], ...] = ()
-    audit: bool = False
     mode: str = MODE_IGNORE_EOS  # the request's generation mode (the audit's table)
 
     @property
@@ -112,7 +112,7 @@ class ReusePlan:
     def without_reuse(self) -> "ReusePlan":
         """The same match served with no reuse (still reported as cached_tokens); what it stores is
         unchanged (the positions it would have reused are then computed in full)."""
-        return replace(self, prefix=0, depth=0, r=0.0, start=0, audit=False)
+        return replace(self, prefix=0, depth=0, r=0.0, start=0)
 
     @property
     def prefix_fraction(self) -> float:
@@ -308,8 +308,5 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
             first = bisect_right(bounds, start, 0, len(bounds) - 1) - 1
             last = bisect_left(bounds, end, 0, len(bounds) - 1)
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
-    audit = False
-    if depth > 0 and policy is engine_policy and engine_policy.audit is not None:
-        audit = engine_policy.audit.should_audit(r_bind, facts.mode)
     return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len,
-                     store_ranges(engine_policy, facts, match, start, end, depth), audit, facts.mode)
+                     store_ranges(engine_policy, facts, match, start, end, depth), facts.mode)

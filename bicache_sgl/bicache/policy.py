@@ -65,6 +65,12 @@ class DepthPolicy(ABC):
         """The depth this policy allows for a request of generation ``mode`` (``request_mode``;
         default the conservative one) whose reused prefix is fraction ``r``."""
 
+    @property
+    def without_profile(self) -> bool:
+        """A mode that reads a calibrated profile running without one (every depth 0: prefixes
+        are matched, never reused): worth a warning."""
+        return False
+
     def store_depth(self, r: float) -> int:
         """The layers worth storing for a capture at fraction ``r``: the deepest any generation
         mode may later reuse (storing a row never serves it; reuse checks the reader's own mode)."""
@@ -128,6 +134,10 @@ class ProfilePolicy(DepthPolicy):
     @property
     def max_node_depth(self) -> int:
         return min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
+
+    @property
+    def without_profile(self) -> bool:
+        return self.profile is None
 
     def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
         if self.profile is None:

@@ -42,11 +42,11 @@ from ..constrained import Constraint
 from ..decoding.logprobs import Logprobs
 from ..decoding.stop import StopRule
 from ..decoding.text import Detokenizer
-from ..io_struct import GenerateRequest, QueueFullError, RequestEvent, RequestFieldError
+from ..io_struct import GenerateRequest, InvalidRequest, QueueFullError, RequestEvent
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.factory import request_constraint
-from ..scheduler.validate import check_logprob_fields
+from ..scheduler.validate import check_context, check_logprob_fields, check_prompt_ids
 from .algorithm import choose_algorithm
 from .budget import block_kv_budget
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
@@ -305,41 +305,36 @@ class BlockEngineClient:
         cfg = self.model_config
         fam = cfg.family
         if greq.bicache_depth is not None:
-            raise RequestFieldError(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at "
+            raise InvalidRequest(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at "
                                     "full depth", "bicache_depth")
         p = greq.params
         for name, (default, wire, why) in _REFUSED.items():
             if getattr(p, name) != default:
-                raise RequestFieldError(f"{wire} is not supported for block-diffusion models ({fam}): {why}", wire)
+                raise InvalidRequest(f"{wire} is not supported for block-diffusion models ({fam}): {why}", wire)
         B = cfg.decode.block_length
         if p.block_length is not None and p.block_length != B:
-            raise RequestFieldError(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the "
+            raise InvalidRequest(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the "
                                     f"exact block cache is keyed by it), got {p.block_length}", "block_length")
         if p.steps_per_block is not None and cfg.decode.edit_threshold is not None:
-            raise RequestFieldError("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token "
+            raise InvalidRequest("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token "
                                     "editing), which has no step schedule (a block takes at most block_length + "
                                     "max_post_edit_steps steps)", "steps_per_block")
         ids = list(greq.input_ids)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < cfg.vocab_size for t in ids):
-            raise RequestFieldError(f"input_ids: a token id is outside the vocabulary ({cfg.vocab_size})", "input_ids")
+        check_prompt_ids(ids, cfg.vocab_size)  # the engine's rules, as the bidirectional engine checks them
         check_logprob_fields(greq)
         if p.n != 1:
-            raise ValueError("n: an engine request is one sample (the server and the OpenAI routes send n > 1 as n "
-                             "requests)")
+            raise InvalidRequest("n: an engine request is one sample (the server and the OpenAI routes send n > 1 "
+                                 "as n requests)", "n")
         bad = [t for t, _ in p.logit_bias if t >= cfg.vocab_size]
         if bad:
-            raise RequestFieldError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})",
+            raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})",
                                     "logit_bias")
+        check_context(len(ids), p.max_new_tokens, self.context_length, block=B)  # it runs whole blocks
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
-        if total > self.context_length:
-            raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
-                             f"{B} is {total} tokens, over the context length {self.context_length}")
         if total > self.kv_budget:  # its K/V window would never fit: it would wait forever
-            raise ValueError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole blocks of "
-                             f"{B} needs {total} K/V positions, over the whole K/V budget of {self.kv_budget} "
-                             "(--max-total-tokens)")
+            raise InvalidRequest(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole "
+                                 f"blocks of {B} needs {total} K/V positions, over the whole K/V budget of "
+                                 f"{self.kv_budget} (--max-total-tokens)", "max_new_tokens")
         # ids outside the vocabulary are never generated: dropped (the early ban indexes by id)
         if any(t >= cfg.vocab_size for t in p.stop_token_ids):
             p = p.replace(stop_token_ids=tuple(t for t in p.stop_token_ids if t < cfg.vocab_size))

@@ -41,6 +41,7 @@ from ..decoding.logprobs import Logprobs
 from ..kv_cache.block_prefix import BlockPrefixCache
 from ..models.block_model import BlockDiffusionLM, BlockKV, RowsWork
 from ..scheduler.structured import StructuredOutput
+from ..scheduler.validate import check_context, check_prompt_ids
 from .logprobs import BlockScore, record_written
 from .sampling import BlockSampler
 
@@ -176,15 +177,10 @@ class BlockEngine:
         logprobs; input logprobs from ``logprob_start_len`` when it is >= 0, or of the whole
         prompt for a prefill-only request, as the bidirectional engine defines them)."""
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
-            raise ValueError(f"a prompt token id is outside the vocabulary ({self.cfg.vocab_size})")
+        check_prompt_ids(prompt, self.cfg.vocab_size)
+        check_context(len(prompt), params.max_new_tokens, self.cfg.max_position_embeddings, block=self.B)
         d = self.cfg.decode
         layout = BlockLayout(len(prompt), params.max_new_tokens, self.B)
-        if layout.total_length > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens ({layout.total_length} positions in whole blocks) exceeds the "
-                             f"model's max_position_embeddings ({self.cfg.max_position_embeddings})")
         budget = self.options.kv_budget
         if budget is not None and layout.total_length > budget:  # it would wait forever
             raise ValueError(f"prompt + max_new_tokens ({layout.total_length} positions in whole blocks) exceeds the "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..bicache.audit import DepthAudit
-from ..bicache.policy import DepthPolicy, make_policy, uses_profile
+from ..bicache.policy import DepthPolicy, make_policy
 from ..bicache.profile import BicacheProfile
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, EngineConfig
@@ -99,7 +99,7 @@ def build_parts(cfg: EngineConfig, *, measure: Callable[..., Any] | None = None)
         probation = DEFAULT_PROBATION if profile is not None and "auto" in profile.extra else 0
     policy = make_policy(cfg.prefix_cache, loaded.model_config.n_layers, profile, audit_rate=cfg.bicache_audit_rate,
                          audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.seed, probation=probation)
-    if uses_profile(cfg.prefix_cache) and profile is None:
+    if policy.without_profile:
         log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
                     "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
                     "bicache_sgl.calibrate to make one.", loaded.model_path)

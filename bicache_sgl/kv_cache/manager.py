@@ -80,6 +80,12 @@ class CacheGrant:
     pending: list[tuple[np.ndarray, int, np.ndarray, bool]] = field(default_factory=list)
     touched: list[tuple[int, int]] = field(default_factory=list)  # prompt position ranges that get rows
 
+    def give_up_reuse(self) -> None:
+        """Serve the match with no reuse (an audit with no room for its shadow before
+        ``CacheManager.share``; an audited request after its exact first forward). What the
+        first forward stores is unchanged."""
+        self.plan = self.plan.without_reuse()
+
 
 class CacheManager:
     """Prefix index + pool under one depth policy (see module docstring)."""

@@ -1,5 +1,6 @@
 """The K/V pool: one store of K/V rows (``KVStore``) shared by the prefix cache and the running
-requests, so attention reads reused prefix state where it lives.
+requests, so attention reads reused prefix state where it lives. (About 450 lines: the row and
+slot tables, their capture contexts and allocators change together; the invariants below bind them.)
 
 Rows ``[0, prefix_rows)`` hold cached prefix state per (cached token, layer), so a cached token
 costs memory in proportion to the depth its node holds; rows ``[prefix_rows, total)`` are the

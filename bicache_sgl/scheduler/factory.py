@@ -26,13 +26,16 @@ class RequestFactory:
         # the checkpoint's generation_config.json defaults (below the request and the server)
         self.generation = self.limits.generation
 
-    def build(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None) -> Req:
+    def build(self, greq: GenerateRequest | ValidRequest, on_event: Callable[[RequestEvent], None] | None, *,
+              internal: bool = False) -> Req:
         """Raise ValueError naming what is wrong, else the request's state. A :class:`ValidRequest`
-        (validated at the edge, scheduler/validate.py) is trusted as it is."""
+        (validated at the edge, scheduler/validate.py) is trusted as it is. ``internal``: the
+        engine's own work (an output capture)."""
         v = greq if isinstance(greq, ValidRequest) else validate_request(greq, self.limits)
         mc = self.mc
         return Req(v.greq, v.plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
-                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params))
+                   tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params),
+                   internal=internal)
 
     def constraint(self, p: SamplingParams) -> Constraint | None:
         """The request's compiled output constraint (:func:`request_constraint`)."""

@@ -1,6 +1,6 @@
 """The engine-side state of one request (:class:`Req`): its identity, its resources (private K/V
-buffers, the cache grant, the audit shadow) and its progress through the semi-autoregressive
-blocks, with in-request cache refreshes (``scheduler.factory.RequestFactory`` validates submitted
+buffers, the cache grant) and its progress through the semi-autoregressive blocks, with
+in-request cache refreshes (``scheduler.factory.RequestFactory`` validates submitted
 requests and builds it). What callers submit and receive (GenerateRequest, RequestEvent) is in
 ``bicache_sgl.io_struct``.
 
@@ -46,7 +46,7 @@ class Req:
 
     def __init__(self, greq: GenerateRequest, plan: DecodePlan, *, mask_id: int, eos_ids: tuple[int, ...],
                  logit_shift: int, tokenizer: Any, on_event: Callable[[RequestEvent], None] | None, seed: int,
-                 constraint: Constraint | None = None) -> None:
+                 constraint: Constraint | None = None, internal: bool = False) -> None:
         self.greq, self.plan = greq, plan
         self.rid = greq.rid
         self.params = p = greq.params.resolved()  # the factory has filled in the model's defaults
@@ -57,7 +57,7 @@ class Req:
         self.prompt_ids.flags.writeable = False  # the cache's capture contexts may keep it
         self.mask_id, self.shift, self.on_event = mask_id, logit_shift, on_event
         self.generates = plan.gen_len > 0  # else prefill-only: one forward, no output
-        self.internal = False  # the engine's own work (an output capture): no events, not in the stats
+        self.internal = internal  # the engine's own work (an output capture): no events, not in the stats
         self.created = time.perf_counter()
         # input logprobs: a prefill-only request with logprobs is a score, whatever its start
         self.needs_score = greq.return_logprob and (not self.generates or greq.logprob_start_len >= 0)
@@ -79,11 +79,6 @@ class Req:
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None  # classifier-free guidance: (tokens, K/V)
         self.score_kv: SeqKV | None = None  # the input-logprob probe
         self.grant = CacheGrant()  # the cache manager's grant at admission: reuse plan, locks, capture
-        # online audit: a no-reuse shadow of the first forward (transient, not in kv_lengths)
-        self.audit_kv: SeqKV | None = None
-        self.auditing = False  # the next forward carries the audit shadow
-        # (r, depth, reused logits, exact logits) of the audited first forward, for the audit
-        self.audit_pair: tuple[float, int, torch.Tensor, torch.Tensor, str] | None = None
         self.served_exact = False  # audited: continued from the no-reuse forward (answer == cache off)
         # progress: the sequence [prompt_len + gen_len] (masks where not decided yet), the block
         # and its step, the final (whole-block) output
@@ -161,12 +156,20 @@ class Req:
             self.score_kv = next(it)
 
     def detach_kv(self) -> list[SeqKV]:
-        """Every private K/V buffer this request holds (the audit shadow too), now let go: the
-        scheduler gives them back to the pool."""
-        kvs = [kv for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv, self.audit_kv)
-               if kv is not None]
-        self.kv = self.uncond = self.score_kv = self.audit_kv = None
+        """Every private K/V buffer this request holds, now let go: the scheduler gives them back
+        to the pool."""
+        kvs = [kv for kv in (self.kv, self.uncond[1] if self.uncond else None, self.score_kv) if kv is not None]
+        self.kv = self.uncond = self.score_kv = None
         return kvs
+
+    def continue_exact(self, kv: SeqKV) -> SeqKV:
+        """Continue from an exact first forward computed on ``kv`` (the online audit's shadow,
+        bicache/audit.py): ``kv`` becomes this request's K/V and later forwards reuse nothing, so
+        its answer equals cache off's. Returns the K/V it leaves (the audit gives it back)."""
+        left, self.kv = self.kv, kv
+        self.grant.give_up_reuse()
+        self.served_exact = True
+        return left
 
     # ---------------------------------------------------------------------------------- planning
     @property
@@ -189,10 +192,7 @@ class Req:
         positions = self.plan.step_positions(refresh, block, self.seq_len, self.shift, masked, self._unmasked_last)
         self.denoiser.plan_forward(len(masked), self.step_in_block == 0, self.generator)
         self._pending = masked
-        # an audited forward captures from its exact shadow: stored rows are then this request's own
-        # context whatever the audit finds
-        own = self._own_work(positions, masked - self.shift, reuse=refresh,
-                             capture=None if self.auditing else self.grant.capture)
+        own = self._own_work(positions, masked - self.shift, reuse=refresh, capture=self.grant.capture)
         works.append(own)
         if self.uncond is not None:
             x_un, kv_un = self.uncond
@@ -200,8 +200,6 @@ class Req:
             works.append(SeqWork(kv_un, x_un, positions, masked - self.shift))
         if self.needs_score and self.forward_passes == 0:
             works.append(self._score_work())
-        if self.auditing:  # first forward only: the same positions without reuse
-            works.append(SeqWork(self.audit_kv, self.x, positions, masked - self.shift, capture=self.grant.capture))
         self._count(positions, own.depth, own.skip, n_layers)
         return works
 
@@ -237,15 +235,16 @@ class Req:
         """Whether this step's decision is the plain greedy one that ``decoding.decide_greedy``
         makes for many requests at once: a threshold step of an algorithm whose spec allows it
         (``AlgorithmSpec.batch_greedy``: ``low_confidence``) at temperature 0 with no
-        filtering, bias, penalty, early ban, constraint, logprobs, guidance or audit (the
-        server's default sampling). Its processed logits are then the forward's with the mask
-        (and with ``ignore_eos`` the end ids) banned."""
+        filtering, bias, penalty, early ban, constraint, logprobs or guidance (the server's
+        default sampling). Its processed logits are then the forward's with the mask (and with
+        ``ignore_eos`` the end ids) banned. The scheduler batches only requests with one sequence
+        in the forward (not an audited first forward, which carries a shadow)."""
         p = self.params
         return (self.generates and self.plan.spec.batch_greedy
                 and bool(self.plan.threshold) and p.temperature <= 0 and p.top_k <= 0 and p.top_p >= 1.0
                 and p.min_p <= 0 and not p.logit_bias and not self.logits_processor.penalized
                 and (p.ignore_eos or p.min_new_tokens <= 0) and self.structured is None
-                and not self.greq.return_logprob and self.uncond is None and not self.auditing)
+                and not self.greq.return_logprob and self.uncond is None)
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
@@ -269,15 +268,6 @@ class Req:
             self.final_len = 0
             self._finish({"type": "length", "length": 0})
             return True
-        if self.auditing:
-            # The audited request continues from the exact forward (its answer equals cache off):
-            # its logits and its K/V become the shadow's, and later forwards reuse nothing.
-            plan = self.choice
-            self.audit_pair = (plan.r, plan.depth, logits[0], logits[-1], plan.mode)
-            logits = [logits[-1], *logits[1:-1]]
-            self.kv, self.audit_kv = self.audit_kv, self.kv
-            self.grant.plan = plan.without_reuse()
-            self.auditing, self.served_exact = False, True
         lg = logits[0]
         k = 1
         if self.uncond is not None:

@@ -2,10 +2,11 @@
 
 A step is ``schedule() -> Batch``, the model runner's forward over ``batch.works``, then
 ``postprocess(batch, logits)`` (nano-vllm's shape). :class:`Scheduler` owns the requests, the cache
-manager and the request factory: it admits (the cache manager matches, locks and plans each
-request's reuse), plans every running request's sequences, commits the captures of the requests
-whose first forward just ran, lets each request consume its logits, records audits, and retires
-the finished requests. It never runs the model.
+manager, the online audit and the request factory: it admits (the cache manager matches, locks and
+plans each request's reuse; the audit picks the requests it audits), plans every running request's
+sequences (the audit adds its shadows), commits the captures of the requests whose first forward
+just ran, lets each request consume its logits (the audit's first: it records and swaps), and
+retires the finished requests. It never runs the model.
 
 :class:`Admission` is the admission rule alone, tensor-free: it sees prompts (int64 token arrays), each
 request's private K/V cost in positions (``kv_tokens``), the cached length of each waiting prompt
@@ -24,6 +25,7 @@ import numpy as np
 
 from radix import common_prefix_len
 
+from ..bicache.audit import OnlineAudit
 from ..config import SamplingParams
 from ..decoding import decide_greedy
 from ..io_struct import GenerateRequest
@@ -134,16 +136,17 @@ class Batch:
 
 
 class Scheduler:
-    """Owns waiting and running requests, the cache manager, the request factory and the pool
-    the requests' private K/V comes from (module docstring): admitted requests' buffers within the
-    admission budget (``KVPool.alloc_request``), an audit shadow's outside it (``alloc_seq``: None
-    when there is no room). Not thread-safe: the engine drives it from its one step thread."""
+    """Owns waiting and running requests, the cache manager, the request factory, the online
+    audit of ``audit`` (None: no audit) and the pool the requests' private K/V comes from (module
+    docstring): admitted requests' buffers within the admission budget (``KVPool.alloc_request``),
+    an audit shadow's outside it (the audit's). Not thread-safe: the engine drives it from its one
+    step thread."""
 
     def __init__(self, admission: Admission, cache: CacheManager, requests: RequestFactory, pool: KVPool,
                  n_layers: int, *, audit: DepthAudit | None = None, cache_output: bool = False,
                  context_length: int = 0) -> None:
         self.admission, self.cache, self.requests, self.pool = admission, cache, requests, pool
-        self.n_layers, self.audit = n_layers, audit
+        self.n_layers, self.audit = n_layers, OnlineAudit(audit, pool)
         self.cache_output, self.context_length = cache_output, context_length
         self.running: list[Req] = []
         self.stats = {"num_forward_passes": 0, "num_finished_reqs": 0, "generated_tokens": 0,
@@ -178,7 +181,7 @@ class Scheduler:
         batch = Batch()
         for req in self.running:
             try:
-                ws = req.plan_step(self.n_layers)
+                ws = self.audit.add(req, req.plan_step(self.n_layers))
             except Exception as e:
                 log.exception("request %s failed while planning", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
@@ -189,7 +192,8 @@ class Scheduler:
 
     def postprocess(self, batch: Batch, logits: list[Any]) -> list[Req]:
         """After the forward: commit the captures of the requests whose first forward this was,
-        let each request consume its logits, record audits. Returns the requests to emit an event
+        let each request consume its logits (an audited one after the audit recorded and swapped
+        it onto its exact forward). Returns the requests to emit an event
         for (a block became final, or the request finished and was retired), in order."""
         self.stats["num_forward_passes"] += 1
         emit: list[Req] = []
@@ -202,14 +206,11 @@ class Scheduler:
             if req.grant.capture is not None:  # its first forward just wrote the capture
                 self.cache.commit(req.prompt_ids, req.grant, req.capture_len)
             try:
-                block_done = req.apply(parts, self.n_layers, decisions.get(id(req)))
+                block_done = req.apply(self.audit.apply(req, parts), self.n_layers, decisions.get(id(req)))
             except Exception as e:
                 log.exception("request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
                 continue
-            if req.audit_pair is not None and self.audit is not None:
-                self.audit.record(*req.audit_pair)
-                req.audit_pair = None
             if block_done and not req.finished:
                 emit.append(req)
         return emit + self.retire_finished()
@@ -246,12 +247,9 @@ class Scheduler:
             self.running.append(req)
             try:
                 req.attach_kv(self._alloc_kv(req.kv_lengths()))
-                req.grant = self.cache.admit(req.prompt_ids, req.facts())
-                if req.choice.audit and req.generates:
-                    req.audit_kv = self.pool.alloc_seq(req.seq_len)  # outside the budget
-                    req.auditing = req.audit_kv is not None
-                    if not req.auditing:  # no room for the shadow: this request reuses nothing
-                        req.grant.plan = req.choice.without_reuse()
+                facts = req.facts()
+                req.grant = self.cache.admit(req.prompt_ids, facts)
+                self.audit.admit(req, facts)  # its shadow, or no reuse when there is no room for one
                 self.cache.share(req.grant, req.kv)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
@@ -287,6 +285,7 @@ class Scheduler:
         self.cache.release(req.grant)
         for kv in req.detach_kv():
             self.pool.free_seq(kv)
+        self.audit.release(req)
         if req.internal:
             return
         self._capture_output(req)
@@ -312,9 +311,8 @@ class Scheduler:
         if len(ids) > self.context_length:
             return
         try:
-            cap = self.requests.build(GenerateRequest(ids, SamplingParams(max_new_tokens=0)), None)
+            cap = self.requests.build(GenerateRequest(ids, SamplingParams(max_new_tokens=0)), None, internal=True)
         except ValueError:  # nothing to capture that the engine would accept
             return
-        cap.internal = True
         self.output_captures += 1
         self.admission.add(cap)

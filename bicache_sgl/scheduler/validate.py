@@ -12,16 +12,18 @@ the server process).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import DecodeDefaults
 from ..decoding.plan import ANY_FAMILY, MAX_DREAM_STEPS, DecodePlan, FamilyDecoding
-from ..io_struct import GenerateRequest
+from ..io_struct import GenerateRequest, InvalidRequest
 from ..models.config import ModelConfig
 from ..models.families import family_decoding
 from ..models.loader import GenerationDefaults, generation_defaults
 
-__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "RequestLimits", "ValidRequest", "kv_lengths", "validate_request"]
+__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "RequestLimits", "ValidRequest", "check_context", "check_prompt_ids",
+           "kv_lengths", "validate_request"]
 
 
 @dataclass(frozen=True)
@@ -75,23 +77,52 @@ def check_logprob_fields(greq: GenerateRequest) -> None:
     """The logprob knobs of a request (both engines): a start inside the prompt, k >= 0."""
     n = len(greq.input_ids)
     if greq.return_logprob and greq.logprob_start_len >= n:
-        raise ValueError(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({n})")
+        raise InvalidRequest(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({n})",
+                             "logprob_start_len")
     if greq.top_logprobs_num < 0:
-        raise ValueError("top_logprobs_num must be >= 0")
+        raise InvalidRequest("top_logprobs_num must be >= 0", "top_logprobs_num")
 
 
-def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidRequest:
-    """Raise ValueError naming what is wrong, else the request as the engine will run it."""
-    ids, V = greq.input_ids, limits.vocab_size
-    if not isinstance(greq.rid, str) or not greq.rid:
-        raise ValueError(f"rid must be a non-empty string, got {greq.rid!r}")
+def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """The vocabulary rule, the one check of it (the server's 400 names ``input_ids``; the
+    block-diffusion client runs it too): a non-empty prompt of token ids in [0, vocab_size)."""
+    V = vocab_size
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise InvalidRequest("the prompt is empty", "input_ids")
     # the common case at C speed (exact ints in range); anything else is looked at token by token
     if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < V):
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= V]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {V})")
+            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {V})", "input_ids")
+
+
+def check_context(prompt_len: int, max_new_tokens: int, context_length: int, block: int = 1) -> None:
+    """The context rule, the one check of it (SGLang's: prompt + max_new_tokens must fit the
+    context; with ``block`` > 1, a model that runs whole blocks, that total rounded up to whole
+    blocks). Names the field to change: ``prompt`` when it leaves no room, else ``max_new_tokens``.
+    (The server shortens a budget the client left to its default before this: server/protocol.py
+    ``fit_to_context``.)"""
+    ctx = context_length
+    if prompt_len > ctx:
+        raise InvalidRequest(f"the prompt ({prompt_len} tokens) is longer than the context length {ctx}", "prompt")
+    total = -(-(prompt_len + max_new_tokens) // block) * block
+    if total <= ctx:
+        return
+    if prompt_len >= ctx:
+        raise InvalidRequest(f"the prompt ({prompt_len} tokens) fills the whole context length {ctx}: no room is "
+                             "left to generate; shorten the prompt", "prompt")
+    blocks = f" in whole blocks of {block} ({total} tokens)" if block > 1 else ""
+    raise InvalidRequest(f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}){blocks} exceeds the "
+                         f"context length {ctx}", "max_new_tokens")
+
+
+def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidRequest:
+    """Raise ValueError naming what is wrong (an :class:`InvalidRequest` with the field, for the
+    rules the server's 400 names), else the request as the engine will run it."""
+    ids, V = greq.input_ids, limits.vocab_size
+    if not isinstance(greq.rid, str) or not greq.rid:
+        raise ValueError(f"rid must be a non-empty string, got {greq.rid!r}")
+    check_prompt_ids(ids, V)
     gen, ctx = limits.generation, limits.context_length
     params = greq.params.resolved(gen.sampling_defaults())
     fam = limits.family
@@ -103,9 +134,7 @@ def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidReque
     if cap is not None and plan.steps_per_block > cap:
         raise ValueError(f"steps: the {plan.schedule} schedule ({plan.algorithm}) runs at most {cap} steps per "
                          f"block, got {plan.steps_per_block}")
-    if len(ids) + params.max_new_tokens > ctx:
-        raise ValueError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                         f"context length {ctx}")
+    check_context(len(ids), params.max_new_tokens, ctx)
     if len(ids) + plan.gen_len > ctx:
         # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
         plan = dataclasses.replace(plan, gen_len=ctx - len(ids))
@@ -115,10 +144,10 @@ def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidReque
         params = params.replace(stop_token_ids=tuple(t for t in params.stop_token_ids if t < V))
     check_logprob_fields(greq)
     if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= limits.n_layers:
-        raise ValueError(f"bicache_depth must be in [0, {limits.n_layers}]")
+        raise InvalidRequest(f"bicache_depth must be in [0, {limits.n_layers}]", "bicache_depth")
     bad = [t for t, _ in params.logit_bias if t >= V]
     if bad:
-        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
+        raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})", "logit_bias")
     kv = sum(kv_lengths(len(ids), plan.gen_len, params.cfg_scale, greq.return_logprob, greq.logprob_start_len))
     if limits.kv_budget is not None and kv > limits.kv_budget:
         raise ValueError(f"the request needs K/V for {kv} positions, more than the engine's whole "

@@ -16,7 +16,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 
 from bicache_sgl.engine.interface import EngineClient
@@ -31,8 +31,12 @@ class Submission:
 
     def __init__(self, engine: EngineClient, items: Sequence[Item],
                  on_finish: Callable[[Item, RequestEvent, float, float | None], None] | None = None,
-                 executor: Executor | None = None, inline: bool = False):
+                 executor: Executor | None = None, inline: bool = False,
+                 field_names: Mapping[str, str] | None = None):
         self.engine = engine
+        # the route's name of an engine field an engine refusal names (/v1: max_new_tokens is
+        # max_tokens or max_completion_tokens, input_ids is prompt)
+        self.field_names = field_names or {}
         self.executor = executor  # where submit() runs (None: the loop's default pool)
         # submit on the loop itself: only for an engine whose submit never waits (a one-way send
         # after a pure validation), where the hop to a worker thread and back would cost more
@@ -54,7 +58,8 @@ class Submission:
     # -- submit / abort -------------------------------------------------------------------
     async def submit(self) -> None:
         """Submit every item (on a worker thread: the engine may hold its lock for a forward).
-        Bad input -> APIError(400), full queue -> APIError(503); on any failure, or if the
+        Bad input -> APIError(400, naming the field the engine's refusal names), full queue ->
+        APIError(503); on any failure, or if the
         HTTP request is cancelled meanwhile, the items already submitted are aborted."""
         loop = asyncio.get_running_loop()
         push = self._push
@@ -107,8 +112,9 @@ class Submission:
             if isinstance(e, QueueFullError):
                 raise APIError(f"the server is overloaded: {e}" if str(e) else "the request queue is full",
                                status=503) from None
-            if isinstance(e, (ValueError, TypeError)):  # a RequestFieldError names its field
-                raise APIError(str(e), param=getattr(e, "param", None)) from None
+            if isinstance(e, (ValueError, TypeError)):
+                param = getattr(e, "param", None)  # an InvalidRequest's field
+                raise APIError(str(e), param=self.field_names.get(param, param)) from None
             raise
 
     def abort(self) -> None:

@@ -202,7 +202,7 @@ async def generate(request: Request) -> Response:
     state = get_state(request)
     args = state.args
     body = parse_json_body(await request.body())
-    gi = parse_generate(body, state.tokenize, vocab_size=state.vocab_size, context_length=state.context_length,
+    gi = parse_generate(body, state.tokenize, context_length=state.context_length,
                         default_sampling=state.default_sampling, block_length=args.decode.block_length,
                         max_batch_size=args.max_batch_size, max_n=args.max_n)
     sub = state.new_submission(gi.items)

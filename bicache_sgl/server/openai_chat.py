@@ -30,6 +30,7 @@ from bicache_sgl.server.openai_common import (
     sampling_dict,
     token_text,
     usage,
+    v1_field_names,
 )
 from bicache_sgl.server.openai_tools import ToolPlan, plan_tools
 from bicache_sgl.server.protocol import APIError
@@ -126,10 +127,10 @@ async def chat_completions(request: Request) -> Response:
             raise APIError(f"tool_choice forces a tool call, generated under its own JSON-schema constraint; {other} "
                            "cannot be set too", param="tool_choice")
         sp["json_schema"] = tools.schema
-    items = make_items(state, [ids], sp, max_tokens is not None,
-                       "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
-                       return_logprob=want_lp, top_logprobs_num=top, return_text_in_logprobs=want_lp)
-    sub = state.new_submission(items)
+    items = make_items(state, [ids], sp, max_tokens is not None, return_logprob=want_lp, top_logprobs_num=top,
+                       return_text_in_logprobs=want_lp)
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sub = state.new_submission(items, v1_field_names(max_name, "messages"))
     job = ChatJob(state=state, sub=sub, items=items, object_type="chat.completion", rid=f"chatcmpl-{new_rid()}",
                   want_lp=want_lp, continuous_usage=continuous_usage(body), tools=tools)
     await sub.submit()

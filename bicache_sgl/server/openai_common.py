@@ -22,9 +22,9 @@ from bicache_sgl.server.protocol import (
     APIError,
     Item,
     check_batch_size,
-    check_length,
     engine_request,
     field_error,
+    fit_to_context,
     is_int,
     parse_json_body,
     require_object,
@@ -160,11 +160,19 @@ def v1_param(message: str, sp: Mapping[str, Any]) -> str | None:
     return None
 
 
+def v1_field_names(max_name: str = "max_tokens", prompt_name: str = "prompt") -> dict[str, str]:
+    """The /v1 names of the engine's request fields that its refusals name (``Submission``):
+    ``max_name`` is the request field that set the budget, ``prompt_name`` the one that holds
+    the prompt's token ids."""
+    return {"max_new_tokens": max_name, "input_ids": prompt_name}
+
+
 def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,
-               max_name: str = "max_tokens", **fields: Any) -> list[Item]:
-    """One engine item per prompt and sample (prompt-major), each checked against the context.
-    ``max_name``: the request field that set the budget (named in errors about it); ``fields``:
-    the other ``GenerateRequest`` fields of every item (the logprob knobs)."""
+               **fields: Any) -> list[Item]:
+    """One engine item per prompt and sample (prompt-major); a budget left to its default is
+    shortened to fit the context (the engine checks the context at submit: its refusal names
+    the /v1 field, ``v1_field_names``). ``fields``: the other ``GenerateRequest`` fields of
+    every item (the logprob knobs)."""
     try:
         params, _ = sampling_params_from(sp, state.default_sampling, max_n=state.args.max_n)
     except APIError as e:
@@ -175,12 +183,7 @@ def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit
                      "sequences (prompts x n)" if params.n > 1 else "prompts")
     items = []
     for pi, ids in enumerate(id_lists):
-        try:
-            p = check_length(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
-        except APIError as e:  # the budget's /v1 name (the native one is max_new_tokens)
-            if e.param == "max_new_tokens":
-                e.param = max_name
-            raise
+        p = fit_to_context(len(ids), params, explicit_max, state.context_length, state.args.decode.block_length)
         base = p.replace(n=1) if p.n > 1 else p
         for j in range(p.n):
             items.append(Item(engine_request(ids, base, **fields), prompt_index=pi, sample_index=j))

@@ -29,6 +29,7 @@ from bicache_sgl.server.openai_common import (
     sampling_dict,
     token_text,
     usage,
+    v1_field_names,
 )
 from bicache_sgl.server.protocol import (
     APIError,
@@ -75,10 +76,10 @@ def completion_prompts(state: ServerState, prompt: Any) -> tuple[list[str | None
             texts = list(prompt)
             id_lists = [state.tokenize(p) for p in prompt]
         elif all(is_int(p) for p in prompt):
-            id_lists = [check_token_ids(prompt, state.vocab_size, "prompt")]
+            id_lists = [check_token_ids(prompt, "prompt")]
             texts = [None]
         elif all(isinstance(p, list) for p in prompt):
-            id_lists = [check_token_ids(p, state.vocab_size, "prompt") for p in prompt]
+            id_lists = [check_token_ids(p, "prompt") for p in prompt]
             texts = [None] * len(prompt)
         else:
             raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of "
@@ -106,7 +107,7 @@ async def left_to_right_logprobs(state: ServerState, request: Request, targets: 
         items = [Item(engine_request(ids, params, return_logprob=True, logprob_start_len=i, top_logprobs_num=top,
                                      return_text_in_logprobs=True), log_metrics=False)
                  for ids, i in targets[lo:lo + SCORE_CHUNK]]
-        sub = state.new_submission(items)
+        sub = state.new_submission(items, v1_field_names())
         await sub.submit()
         finals = await collect(state, sub, request)
         if finals is None:
@@ -234,7 +235,7 @@ async def completions(request: Request) -> Response:
     # max_tokens always counts as given: OpenAI's default (16) is a real limit, never shortened
     items = make_items(state, id_lists, sp, True, return_logprob=logprobs is not None,
                        top_logprobs_num=logprobs or 0, return_text_in_logprobs=logprobs is not None)
-    sub = state.new_submission(items)
+    sub = state.new_submission(items, v1_field_names())
     job = CompletionJob(state=state, sub=sub, items=items, object_type="text_completion",
                         rid=f"cmpl-{new_rid()}",
                         # only echo shows a prompt's text: token-id prompts are decoded only then

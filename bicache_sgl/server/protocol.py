@@ -4,9 +4,14 @@ Everything here is pure (no engine thread, no I/O): a request body becomes a lis
 :class:`Item` (one per engine request, ``n`` already expanded), each holding the typed
 :class:`~bicache_sgl.io_struct.GenerateRequest` (its rid included) that is submitted as it is, or
 an :class:`APIError` carrying the 4xx status and message. ``null`` always means "default". Which
-fields are implemented and which are refused is decided in :mod:`bicache_sgl.server.fields`. The
-engine's own rules (vocabulary, context, K/V budget, constraint) are checked once more, by the
-engine client at submit (``bicache_sgl.scheduler.validate``).
+fields are implemented and which are refused is decided in :mod:`bicache_sgl.server.fields`.
+
+Only what is HTTP's is checked here: JSON shapes and types, the server's own limits (``--max-n``,
+``--max-batch-size``), defaults (a budget the client left out is shortened to fit the context).
+The engine's rules (vocabulary, context, K/V budget, constraint) are checked once, by the engine
+client at submit (``bicache_sgl.scheduler.validate``, the offline ``Engine`` the same); its
+refusal names the field (``InvalidRequest.param``) and the submission answers a 400 with it
+(``server/bridge.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def require_object(obj: Any) -> dict:
     return obj
 
 
-def check_token_ids(ids: Any, vocab_size: int | None, what: str = "input_ids") -> list[int]:
+def check_token_ids(ids: Any, what: str = "input_ids") -> list[int]:
+    """A JSON list of integers (the vocabulary range is the engine's rule: ``check_prompt_ids``)."""
     if not isinstance(ids, list):
         raise APIError(f"{what} must be a list of integers")
     if not ids:
@@ -75,8 +81,6 @@ def check_token_ids(ids: Any, vocab_size: int | None, what: str = "input_ids") -
     for t in ids:
         if not is_int(t):
             raise APIError(f"{what} must contain only integers, got {t!r}")
-        if t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise APIError(f"token id {t} in {what} is out of range [0, {vocab_size})")
     return ids
 
 
@@ -198,29 +202,21 @@ def resolve_logprob_start(start: int | None, return_logprob: bool, max_new_token
     return start
 
 
-def check_length(prompt_len: int, params: SamplingParams, explicit_max: bool, context_length: int | None,
-                 block_length: int | None = None) -> SamplingParams:
-    """Prompt + generation must fit the context. An implicit default is shortened to fit: to whole
-    blocks, or, when less than one block is left, to what is left (the engine cuts the last block
-    short); a prompt that leaves no room at all is a 400 that says so."""
-    if context_length is None:
+def fit_to_context(prompt_len: int, params: SamplingParams, explicit_max: bool, context_length: int | None,
+                   block_length: int | None = None) -> SamplingParams:
+    """A budget the client left to its default is shortened to fit the context: to whole blocks,
+    or, when less than one block is left, to what is left (the engine cuts the last block short).
+    A budget the client gave, and a prompt that leaves no room, are left as they are: the engine
+    refuses them (``scheduler.validate.check_context``, a 400 naming the field)."""
+    if context_length is None or explicit_max:
         return params
-    if prompt_len > context_length:
-        raise APIError(f"the prompt ({prompt_len} tokens) is longer than the model's context length "
-                       f"({context_length} tokens)", param="prompt")
-    if prompt_len + params.max_new_tokens > context_length:
-        if not explicit_max:
-            room = context_length - prompt_len
-            if room == 0:
-                raise APIError(f"the prompt ({prompt_len} tokens) fills the model's whole context ({context_length} "
-                               "tokens): no room is left to generate; shorten the prompt", param="prompt")
-            block = params.block_length or block_length
-            if block and room >= block:  # whole blocks where one fits; else the one short block that fits
-                room = room // block * block
-            return params.replace(max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
-        raise APIError(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                       f"model's context length ({context_length} tokens)", param="max_new_tokens")
-    return params
+    room = context_length - prompt_len
+    if room <= 0 or params.max_new_tokens <= room:
+        return params
+    block = params.block_length or block_length
+    if block and room >= block:  # whole blocks where one fits; else the one short block that fits
+        room = room // block * block
+    return params.replace(max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
 
 
 @dataclass
@@ -237,7 +233,7 @@ def check_batch_size(n_sequences: int, max_batch_size: int | None, what: str = "
                        f"request (--max-batch-size)", param="batch")
 
 
-def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_length: int | None,
+def parse_generate(body: Any, tokenize, *, context_length: int | None,
                    default_sampling: Mapping[str, Any] | None = None, block_length: int | None = None,
                    max_batch_size: int | None = None, max_n: int = DEFAULT_MAX_N) -> GenerateInput:
     """Validate a ``/generate`` body and expand it into engine items (prompt-major, then sample).
@@ -266,9 +262,9 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
             raise APIError("input_ids must be a non-empty list of integers or of lists of integers")
         batch = isinstance(input_ids[0], list)
         if batch:
-            id_lists = [check_token_ids(x, vocab_size) for x in input_ids]
+            id_lists = [check_token_ids(x) for x in input_ids]
         else:
-            id_lists = [check_token_ids(input_ids, vocab_size)]
+            id_lists = [check_token_ids(input_ids)]
         prompts = None
     n_prompts = len(prompts if prompts is not None else id_lists)
     check_batch_size(n_prompts, max_batch_size)
@@ -306,7 +302,7 @@ def parse_generate(body: Any, tokenize, *, vocab_size: int | None, context_lengt
         ids = tokenize(prompts[i]) if prompts is not None else id_lists[i]
         if not ids:
             raise APIError("the prompt tokenizes to nothing")
-        params = check_length(len(ids), params, explicit, context_length, block_length)
+        params = fit_to_context(len(ids), params, explicit, context_length, block_length)
         rl, start, top, text_in = _logprob_options(rl_list[i], ls_list[i], tl_list[i], tx_list[i])
         start = resolve_logprob_start(start, rl, params.max_new_tokens, len(ids))
         n = params.n

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,10 +80,6 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
-
     # -- tokenizer -------------------------------------------------------------------------
     def _text_encoder(self) -> TextEncoder:
         enc = self._encoder
@@ -109,13 +106,15 @@ class ServerState:
             return
         self.metrics.on_finish(len(item.input_ids), ev.meta_info, elapsed, ttft)  # every final meta is whole
 
-    def new_submission(self, items: list[Item]) -> Submission:
-        """A :class:`Submission` whose finished requests are counted in the metrics."""
+    def new_submission(self, items: list[Item], field_names: Mapping[str, str] | None = None) -> Submission:
+        """A :class:`Submission` whose finished requests are counted in the metrics;
+        ``field_names``: the route's names of the engine's request fields (``Submission``)."""
         constrained = any(it.params.constraint is not None for it in items)
         # a constraint may be built while validating (milliseconds to seconds): never on the loop
         inline = not constrained and self.quick_submit
         return Submission(self.engine, items, on_finish=self.record_finish,
-                          executor=self.constraint_pool if constrained else self.submit_pool, inline=inline)
+                          executor=self.constraint_pool if constrained else self.submit_pool, inline=inline,
+                          field_names=field_names)
 
     async def engine_stats(self) -> dict[str, Any]:
         """The engine's counters; when the engine does not answer within ``STATS_WAIT_S`` (busy),
