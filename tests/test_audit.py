@@ -183,8 +183,8 @@ def test_online_audit_allocates_adds_swaps_records_and_gives_back(tiny_llada):
 
     def admitted(pool: KVPool, audit: OnlineAudit, **kw) -> object:
         req = factory.build(GenerateRequest(list(range(10, 30)), SamplingParams(max_new_tokens=8), **kw), None)
-        req.attach_kv([pool.alloc_request(n) for n in req.kv_lengths()])
-        req.grant = CacheGrant(ReusePlan(16, 16, 2, 0.8, 0, req.seq_len), capture=Capture({}))
+        req.admit([pool.alloc_request(n) for n in req.kv_lengths()],
+                  CacheGrant(ReusePlan(16, 16, 2, 0.8, 0, req.seq_len), capture=Capture({})))
         audit.admit(req, req.facts())
         return req
 

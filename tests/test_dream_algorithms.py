@@ -26,6 +26,7 @@ from bicache_sgl.decoding import (
 )
 from bicache_sgl.decoding.plan import DecodePlan
 from bicache_sgl.io_struct import GenerateRequest
+from bicache_sgl.kv_cache.manager import CacheGrant
 from bicache_sgl.kv_cache.store import KVStore
 from bicache_sgl.models.config import CheckpointError
 from bicache_sgl.models.forward_batch import ForwardBatch
@@ -122,7 +123,7 @@ def run_req(model, cfg, tok, prompt: list[int], params: SamplingParams, decode: 
 
 def drive(model, cfg, req: Req) -> tuple[list[int], Req]:
     store, kvs = KVStore.for_sequences(cfg, req.kv_lengths(), torch.float32, CPU)
-    req.attach_kv(kvs)
+    req.admit(kvs, CacheGrant())  # no cache: the empty grant (reuses nothing)
     attn = create_backend("torch", CPU)
     while not req.finished:
         works = req.plan_step(cfg.n_layers)

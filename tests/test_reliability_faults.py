@@ -13,16 +13,20 @@ a small pool, so cached state really flows into outputs. Outputs are compared in
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import requests
 from reliability_support import assert_pool_integrity, port_is_free, serve, server_state, sse_frames, wait_idle
+
+from bicache_sgl.config import SamplingParams
 
 POOL = 320
 N_LAYERS = 4  # make_tiny_llada's default
@@ -422,6 +426,158 @@ def test_failing_request_does_not_affect_others(server):
     assert chat.status_code == 200
     assert_pool_integrity(wait_idle(rt))
     log.assert_no_server_errors()  # each failure was answered, none escaped as a server error
+
+
+# ------------------------------------------------------------------------------------------------
+# a request failing at admission (fault injection on the real pool)
+# ------------------------------------------------------------------------------------------------
+
+FAULT = "injected pool fault"
+GOOD_PARAMS = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+
+def fault_engine(model: str):
+    from bicache_sgl import Engine
+
+    return Engine(model, prefix_cache="naive", max_prefix_cache_tokens=POOL, block_length=8, steps_per_block=2,
+                  threshold=None, num_threads=1)
+
+
+def fail_allocation(monkeypatch, pool, call: int) -> list[int]:
+    """The pool's ``call``-th request allocation from now (1: the next) raises, once; the others
+    are the pool's own. Returns the lengths asked for so far (the test checks the fault fired)."""
+    real, calls = pool.alloc_request, []
+
+    def alloc_request(n: int):
+        calls.append(n)
+        if len(calls) == call:
+            raise RuntimeError(FAULT)
+        return real(n)
+
+    monkeypatch.setattr(pool, "alloc_request", alloc_request)
+    return calls
+
+
+def assert_engine_idle_and_empty(eng) -> None:
+    """Nothing runs, every request row is back in the pool, no prefix slot in flight or locked."""
+    eng.check_integrity()  # asserts request rows all free when idle
+    st = eng.get_stats()
+    assert st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
+    assert st["request_kv_used_tokens"] == 0
+    assert st["prefix_cache_in_flight_tokens"] == 0 and st["prefix_cache_protected_tokens"] == 0
+
+
+def test_admission_failure_answers_its_client_in_the_same_step_offline(tiny_llada, monkeypatch):
+    """A request whose admission raises (its second K/V buffer, after the first was taken) gets
+    its final event, an abort naming the internal error, within the step that admitted it (before
+    any forward: nothing else has finished), not when its client gives up; the three requests
+    admitted beside it answer as in a run without the fault; afterwards the pool and the cache
+    hold nothing (the first buffer went back too)."""
+    from bicache_sgl.io_struct import GenerateRequest
+
+    eng = fault_engine(tiny_llada)
+    try:
+        goods = [eng.encode(f"good request {k} beside a failing one") for k in range(3)]
+        good_params = SamplingParams.from_dict(GOOD_PARAMS)
+
+        def good_reqs() -> list:
+            return [GenerateRequest(list(ids), good_params, bicache_depth=0) for ids in goods]
+
+        alone = [ev.output_ids for ev in eng.run_sync(good_reqs())]
+        # the victim first in arrival order (an empty cache and distinct prompts: admitted in that
+        # order), with two buffers (input logprobs): the fault hits the second one
+        eng.flush()
+        victim = GenerateRequest(eng.encode("the request whose admission fails"), good_params, return_logprob=True,
+                                 logprob_start_len=0)
+        calls = fail_allocation(monkeypatch, eng.pool, call=2)
+        events: dict[int, list] = {i: [] for i in range(4)}
+        eng.submit_many([victim, *good_reqs()], [events[i].append for i in range(4)], start=False)
+        assert eng.step()  # one step: admission (the fault) and the others' first forward
+        assert len(calls) >= 2, "the fault did not fire"
+        assert len(events[0]) == 1 and events[0][0].finished, events[0]
+        ev = events[0][0]
+        assert ev.finish_reason["type"] == "abort" and FAULT in ev.finish_reason["message"]
+        assert ev.error and ev.error.startswith("internal error") and FAULT in ev.error
+        assert not any(e.finished for i in (1, 2, 3) for e in events[i])  # it did not wait for them
+        while eng.has_work():
+            eng.step()
+        assert [events[i][-1].output_ids for i in (1, 2, 3)] == alone
+        assert all(events[i][-1].error is None for i in (1, 2, 3))
+        assert len(events[0]) == 1  # one final event, no other
+        assert_engine_idle_and_empty(eng)
+        assert eng.get_stats()["finished_reqs_by_reason"]["abort"] == 1
+    finally:
+        eng.shutdown()
+
+
+@contextlib.contextmanager
+def serve_engine(engine) -> Iterator[str]:
+    """A real HTTP server (uvicorn on a free loopback port, on a thread of this process) in front
+    of ``engine``: a fault injected into the engine's own pool reaches requests sent over HTTP."""
+    import uvicorn
+
+    from bicache_sgl.runtime import find_free_port
+    from bicache_sgl.server.app import create_app
+    from bicache_sgl.server.args import ServerArgs
+
+    port = find_free_port()
+    app = create_app(engine, ServerArgs(port=port, skip_server_warmup=True))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="fault-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not app.state.server.ready:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not come up"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_admission_failure_answers_its_http_client_at_once(tiny_llada, monkeypatch):
+    """Over HTTP: three long requests running, then one whose admission raises. Its client gets
+    the error (a 500 naming the internal error) while the three still run, not at its timeout;
+    the three answer as when sent alone; the engine ends idle with nothing held."""
+    eng = fault_engine(tiny_llada)
+    with serve_engine(eng) as url:
+        params = {**GOOD_PARAMS, "max_new_tokens": 256}  # long enough to still run when the victim fails
+        bodies = [{"text": f"good request {k} beside a failing one", "sampling_params": params, "bicache_depth": 0}
+                  for k in range(3)]
+        results: dict[int, requests.Response] = {}
+
+        def send(k: int) -> None:
+            results[k] = requests.post(url + "/generate", json=bodies[k], timeout=120)
+
+        threads = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while eng.get_stats()["num_running_reqs"] < 3:
+            assert time.monotonic() < deadline, "the good requests did not start"
+            time.sleep(0.01)
+        calls = fail_allocation(monkeypatch, eng.pool, call=1)  # the victim's is the next allocation
+        r = requests.post(url + "/generate", json={"text": "the request whose admission fails",
+                                                   "sampling_params": GOOD_PARAMS}, timeout=30)
+        still_running = eng.get_stats()["num_running_reqs"]
+        assert calls, "the fault did not fire"
+        assert r.status_code == 500, r.text
+        msg = r.json()["error"]["message"]
+        assert "internal error" in msg and FAULT in msg, msg
+        assert still_running == 3, "the failed request was answered only after the others finished"
+        for t in threads:
+            t.join(120)
+        monkeypatch.undo()
+        for k in range(3):
+            assert results[k].status_code == 200, results[k].text
+            alone = requests.post(url + "/generate", json=bodies[k], timeout=120)
+            assert results[k].json()["output_ids"] == alone.json()["output_ids"]
+        deadline = time.monotonic() + 30
+        while eng.has_work():  # output captures, if any
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert_engine_idle_and_empty(eng)
 
 
 # ------------------------------------------------------------------------------------------------

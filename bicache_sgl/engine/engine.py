@@ -224,10 +224,13 @@ class Engine:
         """One step: take in what was submitted, aborted or flushed; ``scheduler.schedule()``
         (admit, every running request plans its sequences), ONE batched forward for all of them
         (``runner.forward``), ``scheduler.postprocess``; then emit the events (blocks that became
-        final, finished requests). A failed forward ends every request of the batch with the
+        final, finished requests). A request that failed at admission gets its final event at
+        once (it is in no forward); a failed forward ends every request of the batch with the
         error. False when nothing was running (no forward)."""
         self._drain_inbox()
         batch = self.scheduler.schedule()
+        if batch.failed:
+            self._emit_all(batch.failed)
         if not self.scheduler.running:
             return False
         try:

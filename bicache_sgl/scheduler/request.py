@@ -74,7 +74,7 @@ class Req:
         self.structured = StructuredOutput(constraint, p) if constraint is not None else None
         # which profile table serves it: "stop" only when nothing forces its answer past EOS
         self.gen_mode = request_mode(p, eos_ids, constrained=constraint is not None)
-        # resources, set at admission
+        # resources, set at admission (:meth:`admit`)
         self.kv: SeqKV | None = None
         self.uncond: tuple[torch.Tensor, SeqKV] | None = None  # classifier-free guidance: (tokens, K/V)
         self.score_kv: SeqKV | None = None  # the input-logprob probe
@@ -143,9 +143,12 @@ class Req:
         """Private K/V positions (all layers) this request holds while it runs: its memory cost."""
         return sum(self.kv_lengths())
 
-    def attach_kv(self, kvs: Sequence[SeqKV]) -> None:
-        """Take the private K/V buffers :meth:`kv_lengths` lists, in that order (the scheduler
-        allocates them from the pool at admission)."""
+    def admit(self, kvs: Sequence[SeqKV], grant: CacheGrant) -> None:
+        """What admission gives: the private K/V buffers :meth:`kv_lengths` lists, in that order
+        (the scheduler allocates them from the pool), and the cache manager's ``grant`` (reuse
+        plan, locks, capture). The request holds them until the scheduler retires it
+        (:meth:`detach_kv`, ``CacheManager.release``)."""
+        self.grant = grant
         it = iter(kvs)
         self.kv = next(it)
         if self.generates and self.params.cfg_scale > 0:

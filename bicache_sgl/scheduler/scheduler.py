@@ -32,7 +32,8 @@ from ..io_struct import GenerateRequest
 
 if TYPE_CHECKING:
     from ..bicache.audit import DepthAudit
-    from ..kv_cache.manager import CacheManager
+    from ..bicache.planner import RequestFacts
+    from ..kv_cache.manager import CacheGrant, CacheManager
     from ..kv_cache.pool import KVPool
     from ..kv_cache.store import SeqKV
     from ..models.forward_batch import SeqWork
@@ -129,10 +130,13 @@ class Admission:
 @dataclass
 class Batch:
     """One step's work: the running requests in order, each with how many sequences it planned
-    (``works`` is their concatenation, what the model runner packs into one forward)."""
+    (``works`` is their concatenation, what the model runner packs into one forward); ``failed``:
+    clients' requests that failed at admission this step, already finished with their error and
+    retired (they are in no forward: their final event is due now, not after one)."""
 
     reqs: list[tuple[Req, int]] = field(default_factory=list)
     works: list[SeqWork] = field(default_factory=list)
+    failed: list[Req] = field(default_factory=list)
 
 
 class Scheduler:
@@ -176,9 +180,9 @@ class Scheduler:
     # --------------------------------------------------------------------------------- step
     def schedule(self) -> Batch:
         """Admit what fits, then the sequences every running request contributes to the next
-        forward (a request that fails while planning is finished with its error, not batched)."""
-        self._admit()
-        batch = Batch()
+        forward (a request that fails while planning is finished with its error, not batched; one
+        that fails at admission is retired and listed in ``batch.failed``, for its event)."""
+        batch = Batch(failed=self._admit())
         for req in self.running:
             try:
                 ws = self.audit.add(req, req.plan_step(self.n_layers))
@@ -240,34 +244,42 @@ class Scheduler:
             req.fail(f"internal error in the forward pass: {type(e).__name__}: {e}", "error")
         return self.retire_finished()
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Req]:
+        """Admit what fits: the request takes its private buffers and the cache manager's grant
+        (``Req.admit``), the audit picks it or not, its K/V points at the rows it reuses. Returns
+        the clients' requests that failed meanwhile: finished with the error and retired
+        (everything they took given back), their final event not sent yet."""
+        failed: list[Req] = []
         if not self.admission.waiting:
-            return
+            return failed
         for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt_ids)):
             self.running.append(req)
             try:
-                req.attach_kv(self._alloc_kv(req.kv_lengths()))
                 facts = req.facts()
-                req.grant = self.cache.admit(req.prompt_ids, facts)
+                req.admit(*self._take(req, facts))
                 self.audit.admit(req, facts)  # its shadow, or no reuse when there is no room for one
                 self.cache.share(req.grant, req.kv)
             except Exception as e:
                 log.exception("admitting request %s failed", req.rid)
                 req.fail(f"internal error: {type(e).__name__}: {e}", "error")
                 self.retire(req)
+                if not req.internal:
+                    failed.append(req)
+        return failed
 
-    def _alloc_kv(self, lengths: list[int]) -> list[SeqKV]:
-        """A request's private buffers from the pool, all or none (what was taken before a
-        failure goes back)."""
+    def _take(self, req: Req, facts: RequestFacts) -> tuple[list[SeqKV], CacheGrant]:
+        """What admission gives ``req``: its private buffers from the pool (``Req.kv_lengths``)
+        and the cache manager's grant, all or none (what was taken before a failure goes back:
+        the request holds nothing yet, so retiring it could not)."""
         kvs: list[SeqKV] = []
         try:
-            for n in lengths:
+            for n in req.kv_lengths():
                 kvs.append(self.pool.alloc_request(n))
+            return kvs, self.cache.admit(req.prompt_ids, facts)
         except Exception:
             for kv in kvs:
                 self.pool.free_seq(kv)
             raise
-        return kvs
 
     # ----------------------------------------------------------------------------- retiring
     def retire_finished(self) -> list[Req]:
