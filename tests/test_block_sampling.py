@@ -282,3 +282,15 @@ def test_n_two_and_penalties_over_http(server):
     many = http_json(f"{url}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "n": 2,
                                                                           "min_new_tokens": 4}})
     assert isinstance(many, list) and len(many) == 2 and all(len(m["output_ids"]) == 4 for m in many)
+
+
+def test_min_new_tokens_past_max_new_tokens_is_400_naming_it_on_block_models(server):
+    """The block-diffusion client checks the min_new_tokens rule the bidirectional engine checks
+    (scheduler/validate.py check_min_new_tokens): over max_new_tokens is a 400 naming it."""
+    import urllib.error
+
+    url, _ = server
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_json(f"{url}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}})
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["message"].startswith("min_new_tokens must be in [0, max_new_tokens]")

@@ -502,6 +502,56 @@ def test_openai_chat(oai, tokenizer):
     assert len(r.choices) == 2
 
 
+def test_min_new_tokens_past_the_budget_is_400_naming_it(server, tokenizer):
+    """Native /generate: min_new_tokens over max_new_tokens is a 400 naming min_new_tokens
+    (SGLang's rule), streaming or not; equal is served. A budget left to the default is judged
+    as it runs, after it was shortened to the context: 4 positions left, min_new_tokens 10 is
+    refused although the provisional default (128) would have allowed it."""
+    for stream in (False, True):
+        r = post(server, "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 9},
+                                       "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("min_new_tokens must be in [0, max_new_tokens]"), r.text
+    out = gen(server, {"text": "x", "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 8, "temperature": 0}})
+    assert out["meta_info"]["completion_tokens"] == 8
+    ids = (tokenizer.encode("a long prompt that fills the context " * 60) * 2)[:CONTEXT - 4]
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": {"min_new_tokens": 10}})
+    assert r.status_code == 400 and "min_new_tokens 10 > max_new_tokens 4" in r.json()["error"]["message"], r.text
+    out = gen(server, {"input_ids": ids, "sampling_params": {"min_new_tokens": 4, "temperature": 0}})
+    assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_openai_min_tokens_past_the_budget_is_400_naming_it(oai, tokenizer):
+    """/v1: min_tokens over the budget actually used is a 400 whose param is min_tokens: an
+    explicit max_tokens, the completions default (16), and a chat budget left to the default and
+    shortened to the context (judged as it runs, not as the provisional default, 128)."""
+    import openai
+
+    long_text = tokenizer.decode(tokenizer.encode("a long message that fills most of the context " * 40)[:300])
+    chat = {"messages": [{"role": "user", "content": long_text}], "temperature": 0}
+    # the budget this chat runs with: every position generated (ignore_eos), fewer than the default
+    budget = oai.chat.completions.create(model="tiny-llada", **chat,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens
+    assert 0 < budget < 128
+    cases = [("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                       "extra_body": {"min_tokens": 5}}, "5 > max_new_tokens 4"),
+             ("completions", {"prompt": "hi", "extra_body": {"min_tokens": 17}}, "17 > max_new_tokens 16"),
+             ("chat", {**chat, "extra_body": {"min_tokens": budget + 1}}, f"{budget + 1} > max_new_tokens {budget}")]
+    for route, kwargs, needle in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            if route == "chat":
+                oai.chat.completions.create(model="tiny-llada", **kwargs)
+            else:
+                oai.completions.create(model="tiny-llada", **kwargs)
+        err = e.value.body
+        assert e.value.status_code == 400 and err["param"] == "min_tokens" and needle in err["message"], err
+    # within the budget actually used: served, with at least min_tokens tokens
+    c = oai.chat.completions.create(model="tiny-llada", **chat, extra_body={"min_tokens": budget})
+    assert c.usage.completion_tokens == budget
+    c = oai.completions.create(model="tiny-llada", prompt="hi", temperature=0, extra_body={"min_tokens": 16})
+    assert c.usage.completion_tokens == 16
+
+
 OPENAI_REFUSED = [
     ("completions", "best_of", {"best_of": 2}),
     ("completions", "suffix", {"suffix": " the end"}),

@@ -260,6 +260,11 @@ def test_implicit_max_new_tokens_shrinks_to_context():
     g = parse({"input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 32}}, context_length=64)
     assert g.items[0].params.max_new_tokens == 32
     assert parse({"input_ids": list(range(64))}, context_length=64).items[0].params.max_new_tokens == 128
+    # min_new_tokens is left as sent (never lowered to the fitted budget): the engine judges it
+    # against that budget (scheduler/validate.py check_min_new_tokens: 24 < 30 is a 400)
+    g = parse({"input_ids": list(range(40)), "sampling_params": {"min_new_tokens": 30}}, context_length=64,
+              block_length=8)
+    assert (g.items[0].params.max_new_tokens, g.items[0].params.min_new_tokens) == (24, 30)
 
 
 def test_prefill_likelihood_defaults_to_all_positions():

@@ -83,6 +83,32 @@ def test_the_context_and_vocabulary_rules_name_the_field(model, greq, param, mes
     assert validate_request(GenerateRequest([1] * 256, SamplingParams(max_new_tokens=0)), limits(cfg)).kv_tokens == 256
 
 
+def test_min_new_tokens_past_the_final_budget_is_refused_naming_it(model):
+    """SGLang's rule, min_new_tokens in [0, max_new_tokens], checked once where the budget is final
+    (a server has filled and fitted an implicit one before: server/protocol.py fit_to_context)."""
+    cfg, _ = model
+    with pytest.raises(InvalidRequest) as e:
+        validate_request(GenerateRequest([1, 2], SamplingParams(max_new_tokens=8, min_new_tokens=9)), limits(cfg))
+    assert e.value.param == "min_new_tokens"
+    msg = str(e.value)
+    assert msg.startswith("min_new_tokens must be in [0, max_new_tokens]") and "9 > max_new_tokens 8" in msg
+    # SamplingParams itself accepts it (its max_new_tokens may still be a provisional default)
+    assert SamplingParams(max_new_tokens=8, min_new_tokens=9).min_new_tokens == 9
+    for mx, mn in ((8, 8), (8, 0), (0, 0)):
+        validate_request(GenerateRequest([1, 2], SamplingParams(max_new_tokens=mx, min_new_tokens=mn)), limits(cfg))
+
+
+def test_offline_engine_refuses_min_new_tokens_past_max_new_tokens(model, tmp_path):
+    from bicache_sgl import Engine
+
+    with Engine(make_tiny_llada(tmp_path / "m"), prefix_cache="off", block_length=8) as eng:
+        with pytest.raises(InvalidRequest, match=r"^min_new_tokens must be in \[0, max_new_tokens\]") as e:
+            eng.generate("x", {"max_new_tokens": 4, "min_new_tokens": 5})
+        assert e.value.param == "min_new_tokens"
+        out = eng.generate("x", {"max_new_tokens": 4, "min_new_tokens": 4, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 4  # min == max: every position generated
+
+
 def test_block_models_count_the_context_in_whole_blocks():
     check_context(60, 4, 64, block=8)  # 64 positions: fits
     with pytest.raises(InvalidRequest, match=r"in whole blocks of 8 \(72 tokens\)") as e:

@@ -46,7 +46,7 @@ from ..io_struct import GenerateRequest, InvalidRequest, QueueFullError, Request
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.factory import request_constraint
-from ..scheduler.validate import check_context, check_logprob_fields, check_prompt_ids
+from ..scheduler.validate import check_context, check_logprob_fields, check_min_new_tokens, check_prompt_ids
 from .algorithm import choose_algorithm
 from .budget import block_kv_budget
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
@@ -330,6 +330,7 @@ class BlockEngineClient:
             raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})",
                                     "logit_bias")
         check_context(len(ids), p.max_new_tokens, self.context_length, block=B)  # it runs whole blocks
+        check_min_new_tokens(p)
         total = -(-(len(ids) + p.max_new_tokens) // B) * B
         if total > self.kv_budget:  # its K/V window would never fit: it would wait forever
             raise InvalidRequest(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole "

@@ -15,14 +15,15 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import DecodeDefaults
+from ..config import DecodeDefaults, SamplingParams
 from ..decoding.plan import ANY_FAMILY, MAX_DREAM_STEPS, DecodePlan, FamilyDecoding
 from ..io_struct import GenerateRequest, InvalidRequest
 from ..models.config import ModelConfig
 from ..models.families import family_decoding
 from ..models.loader import GenerationDefaults, generation_defaults
 
-__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "RequestLimits", "ValidRequest", "check_context", "check_prompt_ids",
+__all__ = ["MAX_DREAM_STEPS", "DecodePlan", "RequestLimits", "ValidRequest", "check_context", "check_min_new_tokens",
+           "check_prompt_ids",
            "kv_lengths", "validate_request"]
 
 
@@ -116,6 +117,17 @@ def check_context(prompt_len: int, max_new_tokens: int, context_length: int, blo
                          f"context length {ctx}", "max_new_tokens")
 
 
+def check_min_new_tokens(params: SamplingParams) -> None:
+    """The ``min_new_tokens`` rule against the budget, the one check of it (SGLang's: in
+    [0, max_new_tokens]; >= 0 is the parameter's own, in ``SamplingParams``). It runs here, where
+    ``max_new_tokens`` is final, not when the parameters are built: a budget the client left to
+    its default is filled, and shortened to the context, by the server first (server/protocol.py
+    ``fit_to_context``), so an implicit one is judged as it will run."""
+    if params.min_new_tokens > params.max_new_tokens:
+        raise InvalidRequest(f"min_new_tokens must be in [0, max_new_tokens], got min_new_tokens "
+                             f"{params.min_new_tokens} > max_new_tokens {params.max_new_tokens}", "min_new_tokens")
+
+
 def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidRequest:
     """Raise ValueError naming what is wrong (an :class:`InvalidRequest` with the field, for the
     rules the server's 400 names), else the request as the engine will run it."""
@@ -135,6 +147,7 @@ def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidReque
         raise ValueError(f"steps: the {plan.schedule} schedule ({plan.algorithm}) runs at most {cap} steps per "
                          f"block, got {plan.steps_per_block}")
     check_context(len(ids), params.max_new_tokens, ctx)
+    check_min_new_tokens(params)
     if len(ids) + plan.gen_len > ctx:
         # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
         plan = dataclasses.replace(plan, gen_len=ctx - len(ids))

@@ -164,7 +164,7 @@ def v1_field_names(max_name: str = "max_tokens", prompt_name: str = "prompt") ->
     """The /v1 names of the engine's request fields that its refusals name (``Submission``):
     ``max_name`` is the request field that set the budget, ``prompt_name`` the one that holds
     the prompt's token ids."""
-    return {"max_new_tokens": max_name, "input_ids": prompt_name}
+    return {"max_new_tokens": max_name, "input_ids": prompt_name, "min_new_tokens": "min_tokens"}
 
 
 def make_items(state: ServerState, id_lists: list[list[int]], sp: dict, explicit_max: bool,

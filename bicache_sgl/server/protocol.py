@@ -207,7 +207,9 @@ def fit_to_context(prompt_len: int, params: SamplingParams, explicit_max: bool, 
     """A budget the client left to its default is shortened to fit the context: to whole blocks,
     or, when less than one block is left, to what is left (the engine cuts the last block short).
     A budget the client gave, and a prompt that leaves no room, are left as they are: the engine
-    refuses them (``scheduler.validate.check_context``, a 400 naming the field)."""
+    refuses them (``scheduler.validate.check_context``, a 400 naming the field). ``min_new_tokens``
+    is left as it is too: the engine judges it against the budget returned here
+    (``check_min_new_tokens``: larger is a 400 naming it, never silently lowered)."""
     if context_length is None or explicit_max:
         return params
     room = context_length - prompt_len
@@ -216,7 +218,7 @@ def fit_to_context(prompt_len: int, params: SamplingParams, explicit_max: bool, 
     block = params.block_length or block_length
     if block and room >= block:  # whole blocks where one fits; else the one short block that fits
         room = room // block * block
-    return params.replace(max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
+    return params.replace(max_new_tokens=room)
 
 
 @dataclass
