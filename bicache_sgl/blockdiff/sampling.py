@@ -12,8 +12,6 @@ and the published per-block rule (``decoding.block``) then picks which positions
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -23,9 +21,7 @@ from ..decoding import NEG_INF
 from ..decoding.block import sample_tokens
 from ..decoding.sampling import LogitsProcessor
 from ..scheduler.structured import StructuredOutput
-
-if TYPE_CHECKING:
-    from .engine import BlockParams
+from .params import BlockParams
 
 
 def sampling_view(p: BlockParams) -> SamplingParams:
