@@ -432,7 +432,9 @@ class BlockEngineClient:
             reason = {"type": "length", "length": len(ids)}
         if "abort" in res.meta:  # its constraint: no matching output fits (the message says why)
             reason = res.meta["abort"]
-        elif res.structured is not None:  # never claim a match the output is not
+        elif res.structured is not None and lv.greq.params.max_new_tokens > 0:  # never claim a match the output is not
+            # (a prefill-only request generates nothing: its constraint has no output to match,
+            # and it ends with length 0, as on the bidirectional engine)
             reason = res.structured.finished(ids, reason)
         lv.ids, lv.text = ids, text
         st = self._stats
