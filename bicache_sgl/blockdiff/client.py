@@ -16,7 +16,8 @@ Logit bias, penalties, min-p, ``min_new_tokens``, ``ignore_eos`` and regex / JSO
 are the bidirectional engine's own processors applied to the current block
 (``blockdiff/sampling.py``); the constraint is compiled here (``scheduler.factory.
 request_constraint``, on the server's submit thread), and a finished output that does not fully
-match it is reported as an abort, never as a match. ``n`` > 1 reaches this client as n requests (the
+match it is reported as an abort, never as a match (a
+prefill-only request generates nothing: it ends with length 0). ``n`` > 1 reaches this client as n requests (the
 server expands it); a request without ``seed`` samples from a counter advanced by every submitted
 request, as the bidirectional engine seeds it. Logprobs (``return_logprob``, ``logprob_start_len``,
 ``top_logprobs_num``, ``return_text_in_logprobs``) are the bidirectional engine's definitions
@@ -433,7 +434,9 @@ class BlockEngineClient:
             reason = {"type": "length", "length": len(ids)}
         if "abort" in res.meta:  # its constraint: no matching output fits (the message says why)
             reason = res.meta["abort"]
-        elif res.structured is not None:  # never claim a match the output is not
+        elif res.structured is not None and lv.greq.params.max_new_tokens > 0:  # never claim a match the output is not
+            # (a prefill-only request generates nothing: its constraint has no output to match,
+            # and it ends with length 0, as on the bidirectional engine)
             reason = res.structured.finished(ids, reason)
         lv.ids, lv.text = ids, text
         st = self._stats

@@ -273,7 +273,9 @@ class BlockEngine:
         if self.on_block is not None:
             self.on_block(r.rid, gen.tolist(), self._progress(r))
         eos = torch.tensor(self._stop_ids(r), dtype=torch.long)
-        if bool(torch.isin(gen, eos).any()) or r.block + 1 == r.layout.num_blocks:
+        # an end id ends the answer from min_new_tokens on (before it the sampler bans end ids;
+        # one still lands there only when every other token is banned too)
+        if bool(torch.isin(gen[r.params.min_new_tokens:], eos).any()) or r.block + 1 == r.layout.num_blocks:
             return True
         r.block += 1
         r.step = 0
@@ -324,9 +326,10 @@ class BlockEngine:
         stop = self._stop_ids(r)
         # aborted by its constraint: the committed blocks only (the current one is not final)
         tokens = cut_answer(r.x[P:max(P, r.block * self.B) if r.abort else None].tolist(), r.params.max_new_tokens,
-                            stop)
+                            stop, r.params.min_new_tokens)
+        stopped = len(tokens) > r.params.min_new_tokens and tokens[-1] in stop
         meta = {**self._progress(r), "completion_tokens": len(tokens),
-                "finish_reason": "abort" if r.abort else "stop" if tokens and tokens[-1] in stop else "length"}
+                "finish_reason": "abort" if r.abort else "stop" if stopped else "length"}
         if r.abort:
             meta["abort"] = r.abort  # {"type": "abort", "message": ...}
         r.kv = None  # free the buffer

@@ -101,11 +101,12 @@ def select_transfer(confidence: torch.Tensor, masked: torch.Tensor, k: int, thre
     return out
 
 
-def cut_answer(generated: Sequence[int], gen_length: int, eos_ids: Sequence[int]) -> list[int]:
-    """The first gen_length generated tokens, up to and including the first EOS."""
+def cut_answer(generated: Sequence[int], gen_length: int, eos_ids: Sequence[int], min_tokens: int = 0) -> list[int]:
+    """The first gen_length generated tokens, up to and including the first EOS at or after
+    position ``min_tokens`` (``min_new_tokens``: an end id before it does not end the answer)."""
     out = []
-    for t in list(generated)[:gen_length]:
+    for i, t in enumerate(list(generated)[:gen_length]):
         out.append(int(t))
-        if t in eos_ids:
+        if i >= min_tokens and t in eos_ids:
             break
     return out
