@@ -20,6 +20,7 @@ import urllib.request
 
 import pytest
 import torch
+from reliability_support import sse_frames
 
 from bicache_sgl.blockdiff.engine import BlockEngine, BlockEngineOptions, BlockParams
 from bicache_sgl.decoding.logprobs import Logprobs
@@ -209,12 +210,8 @@ def test_generate_returns_logprob_fields_equal_to_the_offline_engine(server, tok
     # streaming: every frame (one per finished block) carries the logprobs of its output so far
     req = urllib.request.Request(f"{rt.url}/generate", data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
-    frames = []
     with urllib.request.urlopen(req, timeout=60) as resp:
-        for line in resp:
-            line = line.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                frames.append(json.loads(line[5:]))
+        frames = [f for f in sse_frames(resp) if f != "[DONE]"]
     assert len(frames) >= 2
     for f in frames:
         assert [e[1] for e in f["meta_info"]["output_token_logprobs"]] == f["output_ids"]

@@ -93,12 +93,8 @@ def test_streaming_emits_blocks_and_ends_with_the_full_answer(server):
     body = {"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    chunks = []
     with urllib.request.urlopen(req, timeout=60) as resp:
-        for line in resp:
-            line = line.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                chunks.append(json.loads(line[5:]))
+        chunks = [f for f in sse_frames(resp) if f != "[DONE]"]
     assert len(chunks) >= 3  # one per finished block (12 tokens in blocks of 4), then the final one
     whole = http_json(f"{url}/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
     assert chunks[-1]["text"] == whole["text"]

@@ -47,7 +47,14 @@ from ..io_struct import GenerateRequest, InvalidRequest, QueueFullError, Request
 from ..models.block_model import load_block_model
 from ..models.loader import DTYPE_MAP, load_tokenizer, resolve_model_path
 from ..scheduler.factory import request_constraint
-from ..scheduler.validate import check_context, check_logprob_fields, check_min_new_tokens, check_prompt_ids
+from ..scheduler.validate import (
+    check_context,
+    check_logit_bias,
+    check_logprob_fields,
+    check_min_new_tokens,
+    check_prompt_ids,
+    reachable_stop_ids,
+)
 from .algorithm import choose_algorithm
 from .budget import block_kv_budget
 from .engine import BlockEngine, BlockEngineOptions, BlockParams, BlockResult
@@ -307,7 +314,7 @@ class BlockEngineClient:
         fam = cfg.family
         if greq.bicache_depth is not None:
             raise InvalidRequest(f"bicache_depth does not apply to {fam}: its prefix reuse is exact, always at "
-                                    "full depth", "bicache_depth")
+                                 "full depth", "bicache_depth")
         p = greq.params
         for name, (default, wire, why) in _REFUSED.items():
             if getattr(p, name) != default:
@@ -315,31 +322,23 @@ class BlockEngineClient:
         B = cfg.decode.block_length
         if p.block_length is not None and p.block_length != B:
             raise InvalidRequest(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the "
-                                    f"exact block cache is keyed by it), got {p.block_length}", "block_length")
+                                 f"exact block cache is keyed by it), got {p.block_length}", "block_length")
         if p.steps_per_block is not None and cfg.decode.edit_threshold is not None:
             raise InvalidRequest("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token "
-                                    "editing), which has no step schedule (a block takes at most block_length + "
-                                    "max_post_edit_steps steps)", "steps_per_block")
+                                 "editing), which has no step schedule (a block takes at most block_length + "
+                                 "max_post_edit_steps steps)", "steps_per_block")
         ids = list(greq.input_ids)
         check_prompt_ids(ids, cfg.vocab_size)  # the engine's rules, as the bidirectional engine checks them
         check_logprob_fields(greq)
         if p.n != 1:
             raise InvalidRequest("n: an engine request is one sample (the server and the OpenAI routes send n > 1 "
                                  "as n requests)", "n")
-        bad = [t for t, _ in p.logit_bias if t >= cfg.vocab_size]
-        if bad:
-            raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})",
-                                    "logit_bias")
+        check_logit_bias(p.logit_bias, cfg.vocab_size)
         check_context(len(ids), p.max_new_tokens, self.context_length, block=B)  # it runs whole blocks
         check_min_new_tokens(p)
-        total = -(-(len(ids) + p.max_new_tokens) // B) * B
-        if total > self.kv_budget:  # its K/V window would never fit: it would wait forever
-            raise InvalidRequest(f"the prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) in whole "
-                                 f"blocks of {B} needs {total} K/V positions, over the whole K/V budget of "
-                                 f"{self.kv_budget} (--max-total-tokens)", "max_new_tokens")
-        # ids outside the vocabulary are never generated: dropped (the early ban indexes by id)
-        if any(t >= cfg.vocab_size for t in p.stop_token_ids):
-            p = p.replace(stop_token_ids=tuple(t for t in p.stop_token_ids if t < cfg.vocab_size))
+        self.engine.check_fits(len(ids), p.max_new_tokens)
+        p = reachable_stop_ids(p, cfg.vocab_size)
+        if p is not greq.params:
             greq = dataclasses.replace(greq, params=p)
         constraint = request_constraint(p, self.tokenizer, self.eos_ids)  # may build it (the submit thread)
         detok = Detokenizer(self.tokenizer, p.skip_special_tokens)

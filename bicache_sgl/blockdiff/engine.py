@@ -38,10 +38,11 @@ import torch
 from ..constrained import NoCompletion
 from ..decoding.block import BlockLayout, cut_answer, effective_steps, select_transfer, transfer_schedule
 from ..decoding.logprobs import Logprobs
+from ..io_struct import InvalidRequest
 from ..kv_cache.block_prefix import BlockPrefixCache
 from ..models.block_model import BlockDiffusionLM, BlockKV, RowsWork
 from ..scheduler.structured import StructuredOutput
-from ..scheduler.validate import check_context, check_prompt_ids
+from ..scheduler.validate import check_context, check_logprob_start, check_prompt_ids
 from .logprobs import BlockScore, record_written
 from .params import BlockParams
 from .sampling import BlockSampler
@@ -132,18 +133,15 @@ class BlockEngine:
         check_prompt_ids(prompt, self.cfg.vocab_size)
         check_context(len(prompt), params.max_new_tokens, self.cfg.max_position_embeddings, block=self.B)
         d = self.cfg.decode
+        self.check_fits(len(prompt), params.max_new_tokens)
         layout = BlockLayout(len(prompt), params.max_new_tokens, self.B)
-        budget = self.options.kv_budget
-        if budget is not None and layout.total_length > budget:  # it would wait forever
-            raise ValueError(f"prompt + max_new_tokens ({layout.total_length} positions in whole blocks) exceeds the "
-                             f"K/V budget of {budget} positions")
         steps = params.steps or d.steps
         if d.cap_steps_by_gen_length:
             steps = effective_steps(steps, params.max_new_tokens, params.minimal_topk)
         x = torch.full((layout.total_length,), self.cfg.mask_token_id, dtype=torch.long)
         x[:len(prompt)] = torch.tensor(prompt)
-        if logprobs is not None and logprob_start_len >= len(prompt):
-            raise ValueError(f"logprob_start_len ({logprob_start_len}) must be < the prompt length ({len(prompt)})")
+        if logprobs is not None:
+            check_logprob_start(logprob_start_len, len(prompt))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         sampler = BlockSampler(params, prompt, mask_id=self.cfg.mask_token_id,
                                eos_ids=self.options.eos_ids or self.cfg.eos_token_ids, vocab_size=self.cfg.vocab_size)
@@ -154,6 +152,16 @@ class BlockEngine:
             req.score = BlockScore(logprobs, prompt, logprob_start_len, self.cfg.mask_token_id, self.B)
         self.waiting.append(req)
         return req.rid
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """A request's window (prompt + max_new_tokens in whole blocks) fits the whole K/V budget;
+        one that does not could never be admitted (it would wait forever)."""
+        budget = self.options.kv_budget
+        total = BlockLayout(prompt_len, max_new_tokens, self.B).total_length
+        if budget is not None and total > budget:
+            raise InvalidRequest(f"the prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) in whole "
+                                 f"blocks of {self.B} needs {total} K/V positions, over the whole K/V budget of "
+                                 f"{budget} (--max-total-tokens)", "max_new_tokens")
 
     @property
     def kv_in_use(self) -> int:

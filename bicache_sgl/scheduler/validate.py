@@ -74,14 +74,35 @@ def kv_lengths(prompt_len: int, gen_len: int, cfg_scale: float, return_logprob: 
     return n
 
 
+def check_logprob_start(start: int, prompt_len: int) -> None:
+    """Input logprobs start inside the prompt (the rule for a request that returns logprobs)."""
+    if start >= prompt_len:
+        raise InvalidRequest(f"logprob_start_len ({start}) must be < the prompt length ({prompt_len})",
+                             "logprob_start_len")
+
+
 def check_logprob_fields(greq: GenerateRequest) -> None:
     """The logprob knobs of a request (both engines): a start inside the prompt, k >= 0."""
-    n = len(greq.input_ids)
-    if greq.return_logprob and greq.logprob_start_len >= n:
-        raise InvalidRequest(f"logprob_start_len ({greq.logprob_start_len}) must be < the prompt length ({n})",
-                             "logprob_start_len")
+    if greq.return_logprob:
+        check_logprob_start(greq.logprob_start_len, len(greq.input_ids))
     if greq.top_logprobs_num < 0:
         raise InvalidRequest("top_logprobs_num must be >= 0", "top_logprobs_num")
+
+
+def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -> None:
+    """Every biased token id is in the vocabulary (both engines)."""
+    bad = [t for t, _ in logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+
+
+def reachable_stop_ids(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """``params`` without the stop ids outside the vocabulary: they can never be generated, so they
+    are accepted (as SGLang does) and dropped, since the stop set also bans its members from
+    early positions by index (both engines)."""
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        return params.replace(stop_token_ids=tuple(t for t in params.stop_token_ids if t < vocab_size))
+    return params
 
 
 def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> None:
@@ -151,16 +172,11 @@ def validate_request(greq: GenerateRequest, limits: RequestLimits) -> ValidReque
     if len(ids) + plan.gen_len > ctx:
         # SGLang refuses only prompt + max_new_tokens > context: the last block is cut short to fit
         plan = dataclasses.replace(plan, gen_len=ctx - len(ids))
-    if any(t >= V for t in params.stop_token_ids):
-        # ids outside the vocabulary can never be generated: accepted (as SGLang does) and dropped,
-        # since the stop set also bans its members from early positions by index
-        params = params.replace(stop_token_ids=tuple(t for t in params.stop_token_ids if t < V))
+    params = reachable_stop_ids(params, V)
     check_logprob_fields(greq)
     if greq.bicache_depth is not None and not 0 <= greq.bicache_depth <= limits.n_layers:
         raise InvalidRequest(f"bicache_depth must be in [0, {limits.n_layers}]", "bicache_depth")
-    bad = [t for t, _ in params.logit_bias if t >= V]
-    if bad:
-        raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})", "logit_bias")
+    check_logit_bias(params.logit_bias, V)
     kv = sum(kv_lengths(len(ids), plan.gen_len, params.cfg_scale, greq.return_logprob, greq.logprob_start_len))
     if limits.kv_budget is not None and kv > limits.kv_budget:
         raise ValueError(f"the request needs K/V for {kv} positions, more than the engine's whole "
