@@ -53,19 +53,28 @@ def engines(deep_profile):
 def test_head_captured_by_another_family_is_not_reused_at_the_family_depth(engines):
     """The issue's repro: family A fills the cache, family B's first request matches only the
     10-token head "Question: " (captured in A's context), B's second request matches 125 tokens.
-    The head may only be reused at b(head / N); the family's part at the family's depth."""
+    The head's rows from A's context may only serve B at b(head / N): B's first request computes
+    the head in full and re-captures it in its own context (docs/prefix_cache.md, "Re-capture"),
+    so B's second request reuses the whole match, every row from B's context."""
     off, on = engines
     on.flush_cache()
     for e in (off, on):
         e.generate(fewshot("YWDRU", "2", "Y"), P)
-        e.generate(fewshot("KHIME", "0", "K"), P)
+    first = on.generate(fewshot("KHIME", "0", "K"), P)["meta_info"]
+    off.generate(fewshot("KHIME", "0", "K"), P)
+    # B's first request: the head from A's context does not serve it at any depth
+    assert first["cached_tokens"] == 10 and first["bicache_depth"] == 0 and first["reused_prefix_tokens"] == 0
+    before = on.get_stats()
     want = off.generate(fewshot("KHIME", "0", "H"), P)
     got = on.generate(fewshot("KHIME", "0", "H"), P)
     assert want["text"] == " 0"
     assert got["text"] == want["text"]
     meta = got["meta_info"]
     assert meta["cached_tokens"] == 125 and meta["bicache_depth"] == 8  # the common case stays fast ...
-    assert meta["reused_prefix_start"] > 0 and meta["reused_prefix_tokens"] == 125 - meta["reused_prefix_start"]
+    # ... and the head is reused only because B's first request re-captured it
+    assert meta["reused_prefix_start"] == 0 and meta["reused_prefix_tokens"] == 125
+    assert before["prefix_cache_recaptures_total"] >= 1 and before["prefix_cache_recaptured_tokens_total"] >= 10
+    on.check_integrity()
 
 
 def test_families_sharing_a_head_answer_as_cache_off(engines):
@@ -139,7 +148,7 @@ _pbatch = st.tuples(st.just("batch"), st.lists(_pgen, min_size=2, max_size=4))
 _pflush = st.tuples(st.just("flush"))
 STREAMS = st.lists(st.one_of(_pgen, _pgen, _pgen, _pprefix, _pbatch, _pflush), min_size=4, max_size=12)
 
-CHECKED = {"streams": 0, "requests": 0, "reused": 0, "deep": 0}
+CHECKED = {"streams": 0, "requests": 0, "reused": 0, "deep": 0, "recaptured": 0}
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +201,18 @@ def test_generated_request_streams_answer_as_cache_off(planted_engines, stream):
             CHECKED["deep"] += sum(o["meta_info"]["bicache_depth"] > PK for o in outs)
     for eng in ons:
         eng.check_integrity()
+    CHECKED["recaptured"] = sum(e.get_stats()["prefix_cache_recaptures_total"] for e in ons)
     CHECKED["streams"] += 1
 
 
 def test_the_property_test_exercised_deep_and_shallow_reuse():
     """Run after the property test (same module): it checked requests that reused, some of them
-    beyond the depth that is safe in every context."""
+    beyond the depth that is safe in every context, and rows re-captured over held ones (a
+    prefix-only capture, another head's) with running readers of the replaced rows."""
     if CHECKED["streams"] == 0:
         pytest.skip("the property test did not run in this session")
     print(f"property test: {CHECKED}")
-    assert CHECKED["reused"] > 0 and CHECKED["deep"] > 0, CHECKED
+    assert CHECKED["reused"] > 0 and CHECKED["deep"] > 0 and CHECKED["recaptured"] > 0, CHECKED
 
 
 # ------------------------------------------------------------------------ trust earned on live traffic

@@ -104,6 +104,9 @@ class ReusePlan:
     # rows the first forward writes: (first position, end position, first layer, end layer)
     store: tuple[tuple[int, int, int, int], ...] = ()
     mode: str = MODE_IGNORE_EOS  # the request's generation mode (the audit's table)
+    # position ranges [s, e) of ``store`` whose rows REPLACE the held ones (a re-capture: the held
+    # rows did not serve this request as deep as its own capture would serve a repeat of it)
+    recapture: tuple[tuple[int, int], ...] = ()
 
     @property
     def reused(self) -> int:
@@ -263,32 +266,63 @@ def _best_span_small(bounds: list[int], usable: list[int]) -> tuple[int, int, in
 
 
 def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFacts, start: int, end: int,
-                 depth: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The rows the request's first forward writes (docs/prefix_cache.md, "Node depth follows use").
+                 depth: int, served: tuple[list[int] | np.ndarray, list[int] | np.ndarray] | None = None
+                 ) -> tuple[tuple[tuple[int, int, int, int], ...], tuple[tuple[int, int], ...]]:
+    """The rows the request's first forward writes (docs/prefix_cache.md, "Node depth follows use"),
+    and which of them re-capture held rows.
 
     Positions it computes in full (new tokens, matched tokens outside the reused span) get layers
     up to b(P / N), the depth a repeat of the prompt is allowed (P: the reusable prompt); reused
     positions, computed from ``depth`` on, get deeper layers up to b(end / N) on top of what their
-    node holds. Everything written is captured in this request's own context."""
+    node holds. Everything written is captured in this request's own context.
+
+    Re-capture ("A capture serves the requests after it"): matched positions computed in full whose
+    held rows serve this request fewer layers than b(P / N) under the engine's policy (``served``:
+    (run bounds, usable depth per run), from the capture-context rule) were captured in a context
+    that shares too little with requests like this one: a prefill-only hint (its context is the
+    prefix alone), another family's request. Their rows are replaced by this request's (layers
+    [0, max(node depth, b(P / N)))), so the next request like it reuses them as deep as the rule
+    allows it. The replacement happens at commit only where no other capture changed the rows
+    since admission (``KVPool.rebind_block``)."""
     P, N = facts.prompt_len - 1, facts.seq_len
     b = engine_policy.store_depth  # rows for any later reader's mode (each is checked when it reuses)
     if not engine_policy.uses_cache or N <= 0:
-        return ()
+        return (), ()
     k_full = b(P / N) if P > 0 else 0
     k_span = b(end / N) if end > start else 0
+    # runs of matched tokens to re-capture: held rows that served less than a repeat would get
+    recap: list[tuple[int, int]] = []
+    want = engine_policy.target_depth(P / N, facts.mode) if P > 0 else 0
+    if served is not None and want > 0 and k_full > 0:
+        bounds, per_run = served
+        _, _, held_r = match.run_rows()
+        for i, u in enumerate(per_run):
+            s, e = int(bounds[i]), int(bounds[i + 1])
+            if u < want and held_r[i, 0]:
+                for a, z in ((s, min(e, start)), (max(s, end), e)) if end > start else ((s, e),):
+                    if a < z:
+                        if recap and recap[-1][1] == a:
+                            recap[-1] = (recap[-1][0], z)
+                        else:
+                            recap.append((a, z))
     out: list[tuple[int, int, int, int]] = []
     s0 = 0
     for e0, node_depth in match.segments:
-        cuts = sorted({s0, e0, *(x for x in (start, end) if s0 < x < e0)})
+        cuts = sorted({s0, e0, *(x for x in (start, end, *(y for r in recap for y in r)) if s0 < x < e0)})
         for s, e in pairwise(cuts):
             in_span = start <= s and e <= end and end > start
-            lo, hi = (max(node_depth, depth), k_span) if in_span else (node_depth, k_full)
+            if in_span:
+                lo, hi = max(node_depth, depth), k_span
+            elif any(a <= s and e <= z for a, z in recap):
+                lo, hi = 0, max(node_depth, k_full)
+            else:
+                lo, hi = node_depth, k_full
             if lo < hi:
                 out.append((s, e, lo, hi))
         s0 = e0
     if facts.prompt_len > match.length and k_full > 0:
         out.append((match.length, facts.prompt_len, 0, k_full))
-    return tuple(out)
+    return tuple(out), tuple(recap)
 
 
 def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFacts) -> ReusePlan:
@@ -296,8 +330,11 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     policy = request_policy(engine_policy, facts)
     start = end = depth = 0
     r_bind = 0.0
+    served = None  # (run bounds, usable depth per run) under the engine's policy: re-capture's test
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
         bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len, facts.mode)
+        if policy is engine_policy:
+            served = (bounds, usable)
         start, end, depth = best_span_runs(bounds, usable)
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
@@ -308,5 +345,7 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
             first = bisect_right(bounds, start, 0, len(bounds) - 1) - 1
             last = bisect_left(bounds, end, 0, len(bounds) - 1)
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
-    return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len,
-                     store_ranges(engine_policy, facts, match, start, end, depth), facts.mode)
+    if served is None and match.length > 0 and facts.seq_len > 0 and engine_policy.max_node_depth > 0:
+        served = _usable_runs(engine_policy, match, facts.seq_len, facts.mode)[:2]
+    store, recapture = store_ranges(engine_policy, facts, match, start, end, depth, served)
+    return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len, store, facts.mode, recapture)

@@ -465,6 +465,7 @@ class BlockEngineClient:
         if meta is not None:
             R = meta["cached_tokens"]
             m.update({"cached_tokens": R, "bicache_depth": L if R else 0, "reused_prefix_tokens": R,
+                      "reused_tokens_by_depth": {str(L): R} if R else {},
                       "prefix_fraction": round(R / meta["sequence_tokens"], 6) if meta["sequence_tokens"] else 0.0,
                       "reused_prefix_start": 0, "prefix_reuse_rule": "exact-block",
                       "block_length": meta["block_length"], "forward_passes": meta["forwards"],

@@ -376,6 +376,7 @@ class Engine:
             **st,
             "saved_compute_fraction": st["skipped_layer_tokens"] / total if total else 0.0,
             "finished_reqs_by_reason": dict(self.scheduler.finish_reasons),
+            "reused_tokens_by_depth": {str(d): n for d, n in sorted(self.scheduler.reused_tokens_by_depth.items())},
             "prefix_cache_output_captures_total": self.scheduler.output_captures,
             "prefix_cache_mode": self.config.prefix_cache,
             "request_kv_budget_tokens": self.scheduler.admission.kv_budget,

@@ -75,9 +75,9 @@ class CacheGrant:
     capture: Capture | None = None  # rows the first forward writes; None once committed
     new_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # token slots of prompt[matched:]
     slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)  # matched + new slots: what commit inserts
-    # (slots, first layer, rows [layers, len(slots)], slots are new) per stored range: one table
-    # rectangle each
-    pending: list[tuple[np.ndarray, int, np.ndarray, bool]] = field(default_factory=list)
+    # (slots, first layer, rows [layers, len(slots)], slots are new, capture classes at admission
+    # for a re-capture else None) per stored range: one table rectangle each
+    pending: list[tuple[np.ndarray, int, np.ndarray, bool, np.ndarray | None]] = field(default_factory=list)
     touched: list[tuple[int, int]] = field(default_factory=list)  # prompt position ranges that get rows
 
     def give_up_reuse(self) -> None:
@@ -99,6 +99,7 @@ class CacheManager:
         self.matched_tokens = self.looked_up_tokens = 0
         self.evicted_tokens = 0
         self.upgrades = 0
+        self.recaptures = self.recaptured_tokens = 0  # re-captured ranges / token slots (rebind_block)
         self.trimmed_layer_tokens = 0
 
     def peek(self, prompt: Sequence[int]) -> int:
@@ -176,8 +177,11 @@ class CacheManager:
             block = all_rows[off:off + n].reshape(hi - lo, e - s)
             blocks.append(block)
             # a range over new tokens binds into empty slots (fresh off the free list, whose rows
-            # free_tokens dropped); one over matched tokens may race a concurrent upgrade
-            grant.pending.append((slots[s:e], lo, block, s >= matched))
+            # free_tokens dropped); one over matched tokens may race a concurrent upgrade; a
+            # re-capture replaces the rows only where no other capture changed them since now
+            recap = s < matched and any(a <= s and e <= z for a, z in plan.recapture)
+            expect = self.pool.cls[slots[s:e]].copy() if recap else None
+            grant.pending.append((slots[s:e], lo, block, s >= matched, expect))
             off += n
         grant.new_slots = new_slots
         grant.slots = slots
@@ -248,9 +252,14 @@ class CacheManager:
         if pending:
             ctx = self.pool.contexts.new(ids, capture_len)
             lost = []
-            for slots, lo, block, fresh in pending:  # one rectangle of the table per stored range
+            for slots, lo, block, fresh, expect in pending:  # one rectangle of the table per stored range
                 self.in_flight_rows -= block.size
-                beaten = self.pool.bind_block(slots, lo, block, ctx, fresh=fresh)
+                if expect is None:
+                    beaten = self.pool.bind_block(slots, lo, block, ctx, fresh=fresh)
+                else:
+                    beaten, replaced = self.pool.rebind_block(slots, lo, block, ctx, expect)
+                    self.recaptured_tokens += replaced
+                    self.recaptures += replaced > 0
                 if beaten.size:
                     lost.append(beaten)
             if lost:  # rows a concurrent upgrade beat
@@ -287,7 +296,7 @@ class CacheManager:
         """The request is leaving (finished, aborted or failed). Idempotent."""
         if grant.capture is not None:
             grant.capture = None
-            for _, _, block, _ in grant.pending:
+            for _, _, block, _, _ in grant.pending:
                 self.pool.rows.free(block)
                 self.in_flight_rows -= block.size
             grant.pending = []
@@ -368,6 +377,9 @@ class CacheManager:
             "prefix_cache_bytes_per_layer_token": pool.bytes_per_layer_token,
             "prefix_cache_bytes": pool.nbytes,
             "prefix_cache_upgrades_total": self.upgrades,
+            "prefix_cache_recaptures_total": self.recaptures,
+            "prefix_cache_recaptured_tokens_total": self.recaptured_tokens,
+            "prefix_cache_retired_layer_tokens": pool.retired_rows,
             "prefix_cache_trimmed_layer_tokens_total": self.trimmed_layer_tokens,
             "cache_lookups": lookups,
             "cache_hit_rate": self.num_hits / lookups if lookups else 0.0,
@@ -389,9 +401,13 @@ class CacheManager:
         bound = int((pool.table >= 0).sum())
         assert bound == self.index.total_layer_tokens(), \
             f"rows bound {bound} != layer-tokens the index records {self.index.total_layer_tokens()}"
-        rows_total = bound + pool.rows.num_free + self.in_flight_rows
+        rows_total = bound + pool.rows.num_free + self.in_flight_rows + pool.retired_rows
         assert rows_total == pool.row_capacity, f"row leak: bound {bound} + free {pool.rows.num_free} + in-flight " \
-                                                f"{self.in_flight_rows} != {pool.row_capacity}"
+                                                f"{self.in_flight_rows} + retired {pool.retired_rows} != " \
+                                                f"{pool.row_capacity}"
+        assert int(pool.retired.sum()) == pool.retired_rows, "retired row count out of step"
+        assert not (pool.retired & (pool.readers == 0)).any(), "a retired row nobody reads was not freed"
+        assert (pool.readers >= 0).all(), "a prefix row read by fewer than no sequence"
         assert np.array_equal(pool.table >= 0, pool.ctx >= 0), "a bound row without a capture context (or back)"
         ids, counts = np.unique(pool.ctx[pool.ctx >= 0], return_counts=True)
         refs = pool.contexts.refs()

@@ -182,6 +182,13 @@ class KVPool:
         self.contexts = CaptureContexts()
         self.cls = np.zeros(token_capacity, dtype=np.int64)  # capture class per slot (module docstring)
         self._next_cls = 1
+        # Readers of each prefix row: running sequences whose K/V point at it (``share_prefix``, one
+        # count per (sequence, position, layer) cell). A re-capture (``rebind_block``) replaces rows
+        # in place; a replaced row that is still read is *retired*: out of the table, freed when its
+        # last reader lets go (``free_seq``), so a running request's rows never change under it.
+        self.readers = np.zeros(row_capacity, dtype=np.int32)
+        self.retired = np.zeros(row_capacity, dtype=bool)
+        self.retired_rows = 0
         self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
                                       device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
 
@@ -233,10 +240,30 @@ class KVPool:
             # one reused rectangle [:d, a:e]: the private rows are the three slices around it
             d, a, e = kv.given[0]
             self.request_rows.free_parts([rows[d:], rows[:d, :a], rows[:d, e:]])
+            self._unread(rows[:d, a:e].reshape(-1), unique=True)
         else:
-            self.request_rows.free(rows[self._private_mask(kv)])
+            mine = self._private_mask(kv)
+            self.request_rows.free(rows[mine])
+            self._unread(rows[~mine], unique=False)
         kv.rows = rows[:, :0]
         kv.given = []
+
+    def _unread(self, rows: np.ndarray, unique: bool) -> None:
+        """One reader fewer for each of ``rows`` (prefix rows a sequence read); retired rows
+        nobody reads any more go back to the free list. ``unique``: no row is listed twice."""
+        if rows.size == 0:
+            return
+        if unique:
+            self.readers[rows] -= 1
+        else:
+            np.subtract.at(self.readers, rows, 1)
+        if self.retired_rows:
+            gone = rows[self.retired[rows] & (self.readers[rows] == 0)]
+            if gone.size:
+                gone = np.unique(gone)
+                self.retired[gone] = False
+                self.retired_rows -= len(gone)
+                self.rows.free(np.sort(gone))
 
     def share_prefix(self, kv: SeqKV, slots: np.ndarray, depth: int, start: int = 0) -> None:
         """Point ``kv``'s positions [start, start + len(slots)) at layers < depth to the cached rows
@@ -251,9 +278,14 @@ class KVPool:
         # free before the copy overwrites them; O(reused rows), no pass over the whole sequence
         if not kv.given:  # the first share: every row of the block is still private
             self.request_rows.free_parts([block])
+            self._copy_rows(kv.rows[:, start:end], slots, depth)
+            self.readers[block.reshape(-1)] += 1  # distinct (slot, layer) cells: distinct rows
         else:
-            self.request_rows.free(block[self._private_mask(kv)[:depth, start:end]])
-        self._copy_rows(kv.rows[:, start:end], slots, depth)
+            mine = self._private_mask(kv)[:depth, start:end]
+            self.request_rows.free(block[mine])
+            self._unread(block[~mine], unique=False)  # prefix rows this share overwrites
+            self._copy_rows(kv.rows[:, start:end], slots, depth)
+            self.readers[block.reshape(-1)] += 1
         kv.given.append((depth, start, end))
 
     @property
@@ -407,6 +439,51 @@ class KVPool:
         if n_new:
             self.contexts.ref(ctx, n_new)
         return vals[~new]
+
+    def rebind_block(self, slots: np.ndarray, lo: int, rows: np.ndarray, ctx: int, expect: np.ndarray
+                     ) -> tuple[np.ndarray, int]:
+        """A re-capture: ``rows[i, j]`` [k, n] becomes the row of ``slots[j]`` at layer ``lo + i``,
+        captured in ``ctx``, REPLACING the rows there, for every slot whose capture class is still
+        ``expect[j]`` (the class the planner judged at admission: its rows did not serve the
+        capturing request). A slot whose class changed since (another capture replaced or upgraded
+        it first) only gets the layers it lacks, as :meth:`bind_block`. Replaced rows still read by
+        a running sequence are retired (freed by :meth:`free_seq`), the others freed now.
+
+        Returns (the rows not bound: the caller frees them, the number of slots replaced)."""
+        k, n = rows.shape
+        if k == 0 or n == 0:
+            return rows.reshape(-1)[:0], 0
+        if n != len(slots) or len(expect) != n or not 0 <= lo <= lo + k <= self.n_layers:
+            raise ValueError(f"rebind_block: rows {rows.shape} do not fit {len(slots)} slots at layers "
+                             f"[{lo}, {lo + k}) of {self.n_layers}")
+        ok = self.cls[slots] == expect
+        lost: list[np.ndarray] = []
+        if not ok.all():  # beaten slots: only the layers they lack (their rows stay)
+            lost.append(self.bind_block(slots[~ok], lo, np.ascontiguousarray(rows[:, ~ok]), ctx))
+            slots, rows = slots[ok], rows[:, ok]
+        if len(slots):
+            cut = np.s_[lo:lo + k, slots]
+            old, old_ctx = self.layer_table[cut], self.layer_ctx[cut]  # [k, m] copies
+            had = old >= 0
+            if had.any():
+                self.contexts.unref(old_ctx[had])
+                self._retire(old[had])
+            self.layer_table[cut] = rows
+            self.layer_ctx[cut] = ctx
+            self.contexts.ref(ctx, rows.size)
+            # the same change (layers [lo, lo + k) all from ctx) for every slot: one class in, one out
+            self._relabel(slots)
+        return (np.concatenate(lost) if lost else rows.reshape(-1)[:0]), len(slots)
+
+    def _retire(self, rows: np.ndarray) -> None:
+        """Rows just taken out of the table: free the unread ones, retire the rest."""
+        read = self.readers[rows] > 0
+        if read.any():
+            self.retired[rows[read]] = True
+            self.retired_rows += int(np.count_nonzero(read))
+            rows = rows[~read]
+        if rows.size:
+            self.rows.free(np.sort(rows))
 
     def drop_layers(self, slots: np.ndarray, from_layer: int | np.ndarray) -> int:
         """Free the rows of layers >= ``from_layer`` of ``slots`` (one layer for all, or one per

@@ -100,6 +100,7 @@ class Req:
         self.tokens_computed = 0
         self.computed_layer_tokens = 0
         self.skipped_layer_tokens = 0
+        self.reuse_forwards = 0  # forwards that read the reused span (skipped layer-tokens in them)
 
     def reseed(self, seed: int) -> None:
         """The engine's per-request seed (requests without ``sampling_params.seed``)."""
@@ -231,6 +232,7 @@ class Req:
         self.tokens_computed += len(positions)
         self.computed_layer_tokens += len(positions) * n_layers - skip * depth
         self.skipped_layer_tokens += skip * depth
+        self.reuse_forwards += skip * depth > 0
 
     # ----------------------------------------------------------------------------------- results
     @property
@@ -342,23 +344,41 @@ class Req:
         self._finish({"type": "abort", "message": message})
 
     # ----------------------------------------------------------------------------------- events
+    def reused_by_depth(self) -> dict[int, int]:
+        """Matched prompt tokens per depth they were served at: the reused span at its depth, the
+        rest of the match at 0 (computed in full). Empty without a match; an audited request
+        (answered from its exact forward) reused nothing."""
+        c = self.choice
+        out: dict[int, int] = {}
+        if c.reused and c.depth:
+            out[c.depth] = c.reused
+        if c.matched - (c.reused if c.depth else 0) > 0:
+            out[0] = c.matched - (c.reused if c.depth else 0)
+        return out
+
     def meta_info(self) -> dict[str, Any]:
         """SGLang's meta_info of the request so far: usage, finish reason, the cache fields,
-        logprobs when asked for."""
+        logprobs when asked for. ``bicache_depth`` is the depth MOST of the matched tokens were
+        served at (0 when most of the match was computed in full); ``reused_tokens_by_depth``
+        the whole split (docs/prefix_cache.md, "What a request reports")."""
         c = self.choice
+        by_depth = self.reused_by_depth()
+        reused = by_depth.get(c.depth, 0) if c.depth else 0
         m = {
             "id": self.rid,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(self.out_ids),
             "cached_tokens": c.matched,
-            "bicache_depth": c.depth,
+            "bicache_depth": c.depth if 2 * reused > c.matched else 0,
+            "reused_tokens_by_depth": {str(d): n for d, n in sorted(by_depth.items(), reverse=True)},
             "prefix_fraction": round(c.prefix_fraction, 6),
             "reused_prefix_tokens": c.reused,
             "reused_prefix_start": c.start,
             "bicache_audited": self.served_exact,
             "skipped_layer_tokens": self.skipped_layer_tokens,
             "computed_layer_tokens": self.computed_layer_tokens,
+            "reuse_forwards": self.reuse_forwards,
             "forward_passes": self.forward_passes,
             "tokens_computed": self.tokens_computed,
             "e2e_latency": time.perf_counter() - self.created,

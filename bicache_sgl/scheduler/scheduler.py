@@ -156,6 +156,8 @@ class Scheduler:
         self.stats = {"num_forward_passes": 0, "num_finished_reqs": 0, "generated_tokens": 0,
                       "computed_layer_tokens": 0, "skipped_layer_tokens": 0}
         self.finish_reasons: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        # matched prompt tokens of finished requests per depth they were served at (0: computed)
+        self.reused_tokens_by_depth: dict[int, int] = {}
         self.output_captures = 0  # finished requests whose prompt + answer were queued for the cache
 
     # -------------------------------------------------------------------------------- queue
@@ -308,6 +310,8 @@ class Scheduler:
         st["generated_tokens"] += len(req.out_ids)
         st["computed_layer_tokens"] += req.computed_layer_tokens
         st["skipped_layer_tokens"] += req.skipped_layer_tokens
+        for d, n in req.reused_by_depth().items():
+            self.reused_tokens_by_depth[d] = self.reused_tokens_by_depth.get(d, 0) + n
 
     def _capture_output(self, req: Req) -> None:
         """Multi-turn reuse: queue one prefill-only forward over a finished request's prompt and
