@@ -170,3 +170,47 @@ def test_a_repeated_hint_does_not_recapture_its_own_rows(engines):
     on.generate(SHOTS, {"max_new_tokens": 0})
     assert on.get_stats()["prefix_cache_recaptures_total"] == before
     on.check_integrity()
+
+
+def _server_counters(url: str) -> dict:
+    import requests
+
+    return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def test_frontend_run_batch_reuses_the_hinted_prefix_and_reports_add_up():
+    """SGLang's frontend ``run_batch`` over a real server (default flags): it sends the common
+    prefix alone first (``max_new_tokens`` 0), then the questions. The questions reuse the
+    prefix in all 8 layers once the first ones re-captured it, and the server's counters
+    (/get_server_info, /metrics) equal the sum of the per-request reports."""
+    import requests
+    import sglang as sgl
+
+    from bicache_sgl.runtime import Runtime
+
+    with Runtime(num_threads=1, max_running_requests=8, timeout=180) as rt:
+        sgl.set_default_backend(sgl.RuntimeEndpoint(rt.url))
+
+        @sgl.function
+        def few_shot(s, question):
+            s += SHOTS + "Question: " + question + "\nAnswer:"
+            s += sgl.gen("answer", max_tokens=8, stop=["\n", "Question"])
+
+        before = _server_counters(rt.url)
+        states = few_shot.run_batch([{"question": q} for q in QUESTIONS * 2], num_threads=4)
+        after = _server_counters(rt.url)
+        metas = [st.get_meta_info("answer") for st in states]
+        metrics = requests.get(rt.url + "/metrics", timeout=30).text
+    assert all(st["answer"].strip() == "3" for st in states)
+    outs = [{"meta_info": m} for m in metas]
+    _check_reports(outs)
+    skipped = after["skipped_layer_tokens"] - before["skipped_layer_tokens"]
+    assert skipped == sum(m["skipped_layer_tokens"] for m in metas)
+    served8 = sum(m["reused_tokens_by_depth"].get("8", 0) for m in metas)
+    assert after["reused_tokens_by_depth"].get("8", 0) - before["reused_tokens_by_depth"].get("8", 0) == served8
+    # most questions reuse the whole hinted prefix at the profile's depth (8: r = 125 / 166 >= 70 %)
+    deep = [m for m in metas if m["bicache_depth"] == 8 and m["reused_prefix_tokens"] >= 115]
+    assert len(deep) >= len(metas) - 8, [(m["cached_tokens"], m["reused_tokens_by_depth"]) for m in metas]
+    assert skipped >= len(deep) * 115 * 8
+    assert f'bicache_sgl:reused_tokens_by_depth_8{{model_name="bicache-default"}} {after["reused_tokens_by_depth"]["8"]}' \
+        in metrics
