@@ -212,5 +212,6 @@ def test_frontend_run_batch_reuses_the_hinted_prefix_and_reports_add_up():
     deep = [m for m in metas if m["bicache_depth"] == 8 and m["reused_prefix_tokens"] >= 115]
     assert len(deep) >= len(metas) - 8, [(m["cached_tokens"], m["reused_tokens_by_depth"]) for m in metas]
     assert skipped >= len(deep) * 115 * 8
-    assert f'bicache_sgl:reused_tokens_by_depth_8{{model_name="bicache-default"}} {after["reused_tokens_by_depth"]["8"]}' \
-        in metrics
+    deep_total = after["reused_tokens_by_depth"]["8"]
+    line = f'bicache_sgl:reused_tokens_by_depth_8{{model_name="bicache-default"}} {deep_total}'
+    assert line in metrics

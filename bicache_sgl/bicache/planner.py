@@ -295,10 +295,10 @@ def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFa
     want = engine_policy.target_depth(P / N, facts.mode) if P > 0 else 0
     if served is not None and want > 0 and k_full > 0:
         bounds, per_run = served
-        _, _, held_r = match.run_rows()
+        run0, _, held_r = match.run_rows()  # served runs may split these: find each one's own
         for i, u in enumerate(per_run):
             s, e = int(bounds[i]), int(bounds[i + 1])
-            if u < want and held_r[i, 0]:
+            if u < want and held_r[bisect_right(run0, s) - 1, 0]:
                 for a, z in ((s, min(e, start)), (max(s, end), e)) if end > start else ((s, e),):
                     if a < z:
                         if recap and recap[-1][1] == a:
