@@ -26,9 +26,10 @@ from an empty prefix cache (``/flush_cache`` before it):
   generated texts.
 - ``differential``: the workload of tests/test_profile_safety.py
   (``bicache_sgl.training.calib_shapes.compositions``, batches of 4, as examples/bench_profile_safety.py)
-  on the offline ``bicache_sgl.Engine`` (default flags; ``prefix_cache="off"`` for the baseline), a fresh
-  engine per run; time = the batches' wall time, counters = the engine's (the same scheduler counters the
-  server reports in ``/get_server_info``).
+  on the offline ``bicache_sgl.Engine`` (default flags; ``prefix_cache="off"`` for the baseline; the
+  server's default torch threads, every CPU but one, unless ``--num-threads``), a fresh engine per run;
+  time = the batches' wall time, counters = the engine's (the same scheduler counters the server
+  reports in ``/get_server_info``).
 
 Columns: off and bicache = medians over the rounds (output tok/s as the client reports it; seconds for
 ``differential``); measured ratio = the median over rounds of bicache speed / off speed in the same round;
@@ -309,9 +310,15 @@ def run_differential(ctx: Ctx, mode: str, rnd: int) -> dict:
 
     a = ctx.args
     reqs = [r for s in range(a.diff_seeds) for r in compositions(s)]
+    from bicache_sgl.engine.process_child import default_engine_threads
+
     kw: dict[str, Any] = {} if mode == "bicache" else {"prefix_cache": "off"}
-    if a.num_threads:
-        kw["num_threads"] = a.num_threads
+    # The server's engine process sets every CPU but one when --num-threads is not given; the offline
+    # Engine leaves torch's default (every core), which on a loaded 2-core machine made these runs
+    # 30x slower (OpenMP threads waiting on each other). So the Engine gets the server's default.
+    threads = a.num_threads or default_engine_threads()
+    if threads:
+        kw["num_threads"] = threads
     ctx.commands["differential"] = (f"Engine({', '.join(f'{k}={v!r}' for k, v in kw.items())}).run_sync over "
                                     f"calib_shapes.compositions(seed) for seed < {a.diff_seeds}, batches of "
                                     f"{a.diff_batch} ({len(reqs)} requests)")
