@@ -483,7 +483,8 @@ class EngineConfig:
     bicache_profile: str | None = option(
         None, "The r -> depth profile for bicache: a JSON file, 'auto' (calibrate at start-up within "
               "--calibration-budget-s and cache the result on disk, keyed by the checkpoint), or 'none' (no "
-              "reuse). Default: bicache_profile.json beside the model, else auto.")
+              "profile: depth 0 until the audit's probes earn more, --bicache-audit-probe-rate). Default: "
+              "bicache_profile.json beside the model, else auto.")
     calibration_budget_s: float = option(
         40.0, "Wall-clock budget of the start-up calibration ('auto' profile); buckets not measured in time get "
               "depth 0.")

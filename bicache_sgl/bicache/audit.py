@@ -19,8 +19,14 @@ after that forward it records the comparison and swaps the request onto the exac
 - a disagreement (top-1 agreement below ``min_agreement``) drops the bucket, and every lower bucket
   (the table stays non-decreasing and errs safe), to the largest depth below the failed one that
   has agreed in that bucket, else to half the failed depth (a few failures reach a safe depth, not
-  one layer per failure); the bucket is then on probation again at the new depth. Depths never
-  rise again.
+  one layer per failure); the bucket is then on probation again at the new depth.
+- raising (``probe_rate`` > 0, docs/prefix_cache.md "Earning depth: probes"): a drawn request is
+  planned at each bucket's next rung (0 -> 1 -> 2 -> 4 ..., ``next_rung``) under the unchanged
+  capture-context rule and, when it reads rows beyond the depths in force, audited (answered exact
+  whatever it finds); a bucket rises to a probed depth once ``raise_samples(raise_bound)`` probes at
+  it agreed (calibration's 95% bound, ``profile.tolerated``), and a disagreement bans that depth
+  there and below (the bucket then climbs one layer at a time under the ban). Probes stop at the
+  ceiling: the profile's deepest depth, or the top when it has none.
 
 This holds whoever made the profile: a shipped one (beside the model), one passed as a file, or a
 first-run one (only the probation's default length differs: engine.py). A profile of the ``exact``
