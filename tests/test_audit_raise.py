@@ -19,6 +19,7 @@ from bicache_sgl.bicache.policy import make_policy
 from bicache_sgl.bicache.profile import PROFILE_FILENAME, BicacheProfile, flip_bound
 from bicache_sgl.config import DEFAULT_PROBE_RATE
 from bicache_sgl.models.loader import default_model_path
+from bicache_sgl.server.metrics import Metrics
 from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 from bicache_sgl.training import task
 
@@ -136,6 +137,12 @@ def test_planted_model_without_a_profile_reaches_its_true_depth_and_never_above(
     assert st["bicache_audit_samples_total"] == sum(m["bicache_audited"] for m in metas)
     assert st["skipped_layer_tokens"] > 0
     assert "goes from depth 0 to 1" in caplog.text and "goes from depth 1 to 2" not in caplog.text
+    # /metrics (the server renders the engine's stats): the counters and the raised bucket's gauges
+    text = Metrics("planted").render(st)
+    assert "bicache_sgl:bicache_audit_raised_total{" in text and "bicache_sgl:bicache_audit_probes_total{" in text
+    key = next(k for k, d in st["bicache_audit_bucket_depth"].items() if d == K)
+    assert any(line.startswith(f"bicache_sgl:bicache_audit_bucket_depth_{key}{{") and line.endswith(f" {K}")
+               for line in text.splitlines()), text
 
 
 def test_default_probe_rate_is_on_only_without_a_profile_of_the_models_own(planted_k1, tmp_path):
