@@ -44,6 +44,9 @@ CACHE_MODES = ("none", "prefix", "dual")
 STEP_ROWS = ("block", "active")
 DEFAULT_MAX_N = 256  # the server's --max-n: largest n (samples per prompt) a request may ask for
 DEFAULT_PROBATION = 16  # agreeing audits per bucket before a first-run profile's depth is trusted
+# Probes per reusing request for a model without a profile of its own (none, or a first-run one):
+# each costs one extra sequence in that request's first forward (docs/prefix_cache.md)
+DEFAULT_PROBE_RATE = 0.1
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 _FIXED_RE = re.compile(r"^fixed:(\d+)$")
@@ -480,7 +483,8 @@ class EngineConfig:
     bicache_profile: str | None = option(
         None, "The r -> depth profile for bicache: a JSON file, 'auto' (calibrate at start-up within "
               "--calibration-budget-s and cache the result on disk, keyed by the checkpoint), or 'none' (no "
-              "reuse). Default: bicache_profile.json beside the model, else auto.")
+              "profile: depth 0 until the audit's probes earn more, --bicache-audit-probe-rate). Default: "
+              "bicache_profile.json beside the model, else auto.")
     calibration_budget_s: float = option(
         40.0, "Wall-clock budget of the start-up calibration ('auto' profile); buckets not measured in time get "
               "depth 0.")
@@ -501,6 +505,16 @@ class EngineConfig:
         None, "Consecutive agreeing audits a profile bucket needs before its depth is trusted; until then every "
               f"reusing request in it is audited and answered from its exact forward. Default: {DEFAULT_PROBATION} "
               "for a first-run (auto-calibrated) profile, 0 for a shipped or given one.")
+    bicache_audit_probe_rate: float | None = option(
+        None, "Fraction of the requests that could reuse prefix state that probe the next depth of their r-bucket "
+              "(planned deeper than the bucket's depth, audited, answered from their exact forward); a bucket "
+              "rises to a probed depth once its probes' 95% bound on the disagreement rate is at most "
+              "--bicache-audit-raise-bound. 0 turns raising off. Default: "
+              f"{DEFAULT_PROBE_RATE} without a profile or with a first-run one, 0 for a shipped or given one.")
+    bicache_audit_raise_bound: float = option(
+        0.05, "Promised disagreement rate a raise must be held to: a bucket rises to a probed depth once n probes "
+              "at it all agreed and the one-sided 95% Clopper-Pearson bound on the rate (about 3/n) is at most "
+              "this (0.05: 59 probes per depth; calibration's --max-bound).")
     # off by default: on this project's CPU numbers the extra forward costs more than the reuse it
     # buys (docs/prefix_cache.md, "Multi-turn: caching finished outputs")
     cache_output: bool = option(
@@ -538,6 +552,11 @@ class EngineConfig:
               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
         check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,
               f"bicache_audit_min_agreement must be in [0, 1], got {self.bicache_audit_min_agreement!r}")
+        check(self.bicache_audit_probe_rate is None
+              or (_is_num(self.bicache_audit_probe_rate) and 0 <= self.bicache_audit_probe_rate <= 1),
+              f"bicache_audit_probe_rate must be in [0, 1], got {self.bicache_audit_probe_rate!r}")
+        check(_is_num(self.bicache_audit_raise_bound) and 0 < self.bicache_audit_raise_bound < 1,
+              f"bicache_audit_raise_bound must be in (0, 1), got {self.bicache_audit_raise_bound!r}")
         check(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static)
                                                     and 0 < self.mem_fraction_static < 1),
                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")

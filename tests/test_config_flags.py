@@ -30,6 +30,8 @@ SERVER_FLAGS: dict[str, tuple] = {
     "--attention-backend": ("attention_backend", "torch", None),
     "--bicache-audit-min-agreement": ("bicache_audit_min_agreement", 0.9, None),
     "--bicache-audit-probation": ("bicache_audit_probation", None, None),
+    "--bicache-audit-probe-rate": ("bicache_audit_probe_rate", None, None),
+    "--bicache-audit-raise-bound": ("bicache_audit_raise_bound", 0.05, None),
     "--bicache-audit-rate": ("bicache_audit_rate", 0.02, None),
     "--bicache-profile": ("bicache_profile", None, None),
     "--bicache-tolerance": ("bicache_tolerance", 0.0, None),

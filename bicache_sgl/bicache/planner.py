@@ -57,6 +57,7 @@ class RequestFacts:
     forced_depth: int | None = None  # the request's own ``bicache_depth``
     exact: bool = False  # likelihood scoring / prefill-only: reuse nothing
     mode: str = MODE_IGNORE_EOS  # generation mode (policy.request_mode): the profile table it reads
+    probe: bool = False  # drawn by the online audit to probe deeper depths (then always audited)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class ReusePlan:
     # position ranges [s, e) of ``store`` whose rows REPLACE the held ones (a re-capture: the held
     # rows did not serve this request as deep as its own capture would serve a repeat of it)
     recapture: tuple[tuple[int, int], ...] = ()
+    # a probe's plan that reads rows the depths in force forbid (audited, never served): the least
+    # shared fraction among those rows' contexts (the bucket whose probe depth it tests); None otherwise
+    probe_r: float | None = None
 
     @property
     def reused(self) -> int:
@@ -115,7 +119,7 @@ class ReusePlan:
     def without_reuse(self) -> "ReusePlan":
         """The same match served with no reuse (still reported as cached_tokens); what it stores is
         unchanged (the positions it would have reused are then computed in full)."""
-        return replace(self, prefix=0, depth=0, r=0.0, start=0)
+        return replace(self, prefix=0, depth=0, r=0.0, start=0, probe_r=None)
 
     @property
     def prefix_fraction(self) -> float:
@@ -131,13 +135,14 @@ NO_REUSE = ReusePlan()
 
 def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPolicy:
     """The policy one request's depth is chosen under: ``exact`` requests reuse nothing; a request's
-    own ``bicache_depth`` fixes its depth (still capped by the rows the match holds); otherwise the
-    engine's policy."""
+    own ``bicache_depth`` fixes its depth (still capped by the rows the match holds); a probe (the
+    online audit's) is planned at the probe depths (``DepthPolicy.probing``); otherwise the engine's
+    policy."""
     if facts.exact:
         return OffPolicy(engine_policy.n_layers)
     if facts.forced_depth is not None:
         return FixedPolicy(engine_policy.n_layers, facts.forced_depth)
-    return engine_policy
+    return engine_policy.probing() if facts.probe else engine_policy
 
 
 def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int,
@@ -331,6 +336,7 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     start = end = depth = 0
     r_bind = 0.0
     served = None  # (run bounds, usable depth per run) under the engine's policy: re-capture's test
+    probe_r = None
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
         bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len, facts.mode)
         if policy is engine_policy:
@@ -345,7 +351,12 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
             first = bisect_right(bounds, start, 0, len(bounds) - 1) - 1
             last = bisect_left(bounds, end, 0, len(bounds) - 1)
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
+            if policy is not engine_policy and facts.probe:  # rows read beyond their depth in force?
+                block = ctx_r[first:last, :depth]
+                beyond = [r_of[c] for c in contexts_in(block)
+                          if (block[:, engine_policy.target_depth(r_of[c], facts.mode):] == c).any()]
+                probe_r = min(beyond) if beyond else None
     if served is None and match.length > 0 and facts.seq_len > 0 and engine_policy.max_node_depth > 0:
         served = _usable_runs(engine_policy, match, facts.seq_len, facts.mode)[:2]
     store, recapture = store_ranges(engine_policy, facts, match, start, end, depth, served)
-    return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len, store, facts.mode, recapture)
+    return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len, store, facts.mode, recapture, probe_r)

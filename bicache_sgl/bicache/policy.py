@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..config import SamplingParams, parse_prefix_cache_mode
 from .audit import DepthAudit
-from .profile import GEN_MODES, MODE_IGNORE_EOS, MODE_STOP, BicacheProfile
+from .profile import GEN_MODES, MAX_BOUND, MODE_IGNORE_EOS, MODE_STOP, BicacheProfile
 
 
 def request_mode(params: SamplingParams, eos_ids: Iterable[int], constrained: bool = False) -> str:
@@ -76,6 +76,11 @@ class DepthPolicy(ABC):
         mode may later reuse (storing a row never serves it; reuse checks the reader's own mode)."""
         return max(self.target_depth(r, m) for m in GEN_MODES)
 
+    def probing(self) -> DepthPolicy:
+        """The policy a probe of the online audit is planned under (``ProbePolicy``); itself when
+        nothing probes."""
+        return self
+
     def describe(self) -> str:
         return f"{self.name} (nodes hold up to {self.max_node_depth} of {self.n_layers} layers)"
 
@@ -124,34 +129,73 @@ class FixedPolicy(DepthPolicy):
 
 @dataclass(frozen=True)
 class ProfilePolicy(DepthPolicy):
-    """bicache: b(r) from a calibrated profile; without a profile, depth 0 (matched, not reused)."""
+    """bicache: b(r) from a calibrated profile; without a profile, depth 0 (matched, not reused)
+    unless the audit's probes earn more."""
 
     n_layers: int
     profile: BicacheProfile | None
-    audit: DepthAudit | None = None  # online audit: may cap buckets below the profile
+    audit: DepthAudit | None = None  # online audit: lowers buckets below the profile, probes may raise them
     name: str = "bicache"
-
-    @property
-    def max_node_depth(self) -> int:
-        return min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
 
     @property
     def without_profile(self) -> bool:
         return self.profile is None
 
+    @property
+    def _raising(self) -> bool:
+        return self.audit is not None and self.audit.probing
+
+    @property
+    def max_node_depth(self) -> int:
+        d = min(self.profile.max_depth, self.n_layers) if self.profile is not None else 0
+        # raising: nodes hold what a probe may read, up to the audit's ceiling
+        return max(d, min(self.audit.ceiling, self.n_layers)) if self._raising else d
+
     def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
+        if self.audit is not None:  # the profile's depth as the audit lowered or raised it
+            return min(self.audit.depth(r, mode), self.n_layers)
         if self.profile is None:
             return 0
-        b = min(self.profile.lookup(r, mode), self.n_layers)
-        cap = self.audit.cap(r, mode) if self.audit is not None else None
-        return b if cap is None else min(b, cap)
+        return min(self.profile.lookup(r, mode), self.n_layers)
+
+    def store_depth(self, r: float) -> int:
+        """Raising: also the layers the probe depth at ``r`` reads, so that probes find rows."""
+        d = super().store_depth(r)
+        if self._raising:
+            d = max(d, *(min(self.audit.probe_depth(r, m), self.n_layers) for m in GEN_MODES))
+        return d
+
+    def probing(self) -> DepthPolicy:
+        return ProbePolicy(self.n_layers, self.max_node_depth, self.audit) if self._raising else self
+
+
+@dataclass(frozen=True)
+class ProbePolicy(DepthPolicy):
+    """The depths a probe of the online audit is planned at: each r-bucket's next rung while it
+    probes, else its depth in force (``DepthAudit.probe_depth``). Used only for a request the audit
+    then audits (answered from its exact forward), never to serve one."""
+
+    n_layers: int
+    node_depth: int
+    audit: DepthAudit | None = None  # required (``ProfilePolicy.probing`` passes its own)
+    name: str = "bicache-probe"
+
+    @property
+    def max_node_depth(self) -> int:
+        return self.node_depth
+
+    def target_depth(self, r: float, mode: str = MODE_IGNORE_EOS) -> int:
+        return min(self.audit.probe_depth(r, mode), self.n_layers)
 
 
 def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None, *, audit_rate: float = 0.0,
-                audit_min_agreement: float = 0.9, seed: int = 0, probation: int = 0) -> DepthPolicy:
+                audit_min_agreement: float = 0.9, seed: int = 0, probation: int = 0, probe_rate: float = 0.0,
+                raise_bound: float = MAX_BOUND) -> DepthPolicy:
     """``off | naive | bicache | fixed:N`` -> its policy (``profile`` and the audit are used by
     ``bicache``; fixed depths are experiments and are not audited). ``probation``: consecutive
-    agreeing audits a bucket needs before it is trusted (bicache/audit.py)."""
+    agreeing audits a bucket needs before it is trusted; ``probe_rate`` > 0: buckets earn depth on
+    probes, rising once the 95% bound on their disagreement rate is at most ``raise_bound``
+    (bicache/audit.py); with it, a missing profile is audited too (every depth 0 until earned)."""
     kind, n = parse_prefix_cache_mode(mode)
     if kind == "off":
         return OffPolicy(n_layers)
@@ -159,8 +203,9 @@ def make_policy(mode: str, n_layers: int, profile: BicacheProfile | None = None,
         return FixedPolicy(n_layers, n_layers, name="naive")
     if kind == "fixed":
         return FixedPolicy(n_layers, int(n or 0))
-    audited = profile is not None and (audit_rate > 0 or probation > 0)
-    audit = DepthAudit(profile, audit_rate, audit_min_agreement, seed, probation) if audited else None
+    audited = (profile is not None and (audit_rate > 0 or probation > 0)) or probe_rate > 0
+    audit = DepthAudit(profile, audit_rate, audit_min_agreement, seed, probation, probe_rate=probe_rate,
+                       raise_bound=raise_bound, n_layers=n_layers) if audited else None
     return ProfilePolicy(n_layers, profile, audit)
 
 

@@ -38,6 +38,9 @@ CONFIDENCE = 0.95
 # 95% upper bound on the flip rate is ~3/n, so a depth above 0 needs n >= 59 samples in its bucket
 # (docs/calibration.md promises this bound, per bucket, for every exact profile).
 MAX_BOUND = 0.05
+# The r-buckets (percent) calibration measures (``calibration.data``), and the buckets in which the
+# online audit earns depth on traffic for a profile that has none of its own (bicache/audit.py)
+DEFAULT_FRACTIONS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
 # Generation modes (how a request's answer region ends), each calibrated as a sample of its own
 # (issue 34): "stop" = the answer is the model's own text up to its EOS; "ignore_eos" = the region
 # runs past EOS (or is otherwise forced past where the model would stop: bicache/policy.py,

@@ -106,7 +106,7 @@ def check_engine_flags(cfg: EngineConfig, family: str) -> None:
                          "reuse)")
     base = EngineConfig()
     for name in ("bicache_audit_rate", "bicache_audit_min_agreement", "bicache_audit_probation",
-                 "calibration_budget_s"):
+                 "bicache_audit_probe_rate", "bicache_audit_raise_bound", "calibration_budget_s"):
         if getattr(cfg, name) != getattr(base, name):
             raise ValueError(f"--{name.replace('_', '-')} does not apply to {family}: its engine has no bicache "
                              "profile or audit (exact block reuse); --max-running-requests, --max-total-tokens and "

@@ -14,9 +14,11 @@ from pathlib import Path
 
 from radix import common_prefix_len
 
+# the buckets calibration measures, defined with the profile (the online audit earns depth in them too)
+from ..bicache.profile import DEFAULT_FRACTIONS  # noqa: F401  (re-exported: calibration's name for them)
+
 log = logging.getLogger("bicache_sgl.calibrate")
 
-DEFAULT_FRACTIONS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
 # Where the cached prefix state comes from (see docs/calibration.md):
 #   first_request: S computed inside another request's own context (S + a different question of the
 #                  data set + its MASK generation region): what the runtime stores when the first

@@ -24,7 +24,7 @@ from ..bicache.audit import DepthAudit
 from ..bicache.policy import DepthPolicy, make_policy
 from ..bicache.profile import BicacheProfile
 from ..calibration.auto import resolve_profile
-from ..config import DEFAULT_PROBATION, EngineConfig
+from ..config import DEFAULT_PROBATION, DEFAULT_PROBE_RATE, EngineConfig
 from ..kv_cache.manager import CacheManager, make_cache_manager
 from ..kv_cache.memory import GiB, MemoryPlan, plan_memory
 from ..kv_cache.pool import KVPool
@@ -94,15 +94,23 @@ def build_parts(cfg: EngineConfig, *, measure: Callable[..., Any] | None = None)
     # (bicache_sgl/calibration/auto.py)
     profile = resolve_profile(cfg, loaded, None if measure is None else
                               (lambda **sizes: measure(cfg, loaded, **sizes)))
+    first_run = profile is not None and "auto" in profile.extra
     probation = cfg.bicache_audit_probation
     if probation is None:  # a first-run profile was measured on synthesised prompts: trust is earned
-        probation = DEFAULT_PROBATION if profile is not None and "auto" in profile.extra else 0
+        probation = DEFAULT_PROBATION if first_run else 0
+    probe_rate = cfg.bicache_audit_probe_rate
+    if probe_rate is None:  # no profile of the model's own: depth is earned on traffic (docs/prefix_cache.md)
+        probe_rate = DEFAULT_PROBE_RATE if profile is None or first_run else 0.0
     policy = make_policy(cfg.prefix_cache, loaded.model_config.n_layers, profile, audit_rate=cfg.bicache_audit_rate,
-                         audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.seed, probation=probation)
+                         audit_min_agreement=cfg.bicache_audit_min_agreement, seed=cfg.seed, probation=probation,
+                         probe_rate=probe_rate, raise_bound=cfg.bicache_audit_raise_bound)
     if policy.without_profile:
+        earned = policy.audit is not None and policy.audit.probing
         log.warning("no bicache profile for %s (bicache_profile.json beside the model or --bicache-profile): "
-                    "safe depth b = 0, so prefixes are matched but never reused. Run python -m "
-                    "bicache_sgl.calibrate to make one.", loaded.model_path)
+                    "safe depth b = 0, so prefixes are matched but %s. Run python -m bicache_sgl.calibrate to "
+                    "make one.", loaded.model_path,
+                    f"reused only at depths the audit's probes earn (--bicache-audit-probe-rate {probe_rate:g})"
+                    if earned else "never reused")
     return _assemble(cfg, loaded, profile, policy)
 
 

@@ -257,7 +257,7 @@ class Scheduler:
         for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt_ids)):
             self.running.append(req)
             try:
-                facts = req.facts()
+                facts = self.audit.probe(req, req.facts())  # drawn to probe deeper, or not
                 req.admit(*self._take(req, facts))
                 self.audit.admit(req, facts)  # its shadow, or no reuse when there is no room for one
                 self.cache.share(req.grant, req.kv)
