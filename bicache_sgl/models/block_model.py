@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.block_causal import block_causal_attention
-from .block_config import BlockModelConfig, block_checkpoint_names, parse_block_config
+from .block_config import BlockModelConfig, block_checkpoint_names, detect_block_family, parse_block_config
 from .model import RMSNorm, SwiGLU
 from .spec import CheckpointError
 
@@ -311,7 +311,14 @@ def load_block_model(folder: str | Path, dtype: torch.dtype = torch.float32, dev
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {folder / 'config.json'}: {e}") from e
-    cfg = parse_block_config(raw, name=folder.name)
+    from .families import family_named
+    from .special_ids import parse_with_special_ids
+    if not isinstance(raw, dict) or detect_block_family(raw) is None:
+        parse_block_config(raw if isinstance(raw, dict) else {}, name=folder.name)  # raises, naming what is wrong
+    fam = family_named(detect_block_family(raw))
+    # the special ids as the published code reads them (the one reader of every family)
+    cfg = parse_with_special_ids(folder, raw, lambda c: parse_block_config(c, name=folder.name), fam.name,
+                                 fam.mask_token_id, fam.eos_token_ids)
     cfg = _with_generation_defaults(cfg, folder / "generation_config.json", decode_defaults or {},
                                     decode_overrides or {})
     if block_length is not None:
