@@ -150,6 +150,7 @@ class RowsWork:
     q_start: int
     kv: BlockKV
     logit_from: int = 0
+    block_length: int | None = None  # the sequence's block length (None: the model's decode default)
 
 
 class BlockDiffusionLM(nn.Module):
@@ -232,7 +233,7 @@ class BlockDiffusionLM(nn.Module):
                 if qa == b:
                     continue
                 o = self.attention(q[qa:b], w.kv.k[li, :end].to(q.dtype), w.kv.v[li, :end].to(q.dtype),
-                                   w.q_start + (qa - a), B)
+                                   w.q_start + (qa - a), w.block_length or B)
                 outs.append(o)
             if last:
                 if keep.numel() == 0:
@@ -251,12 +252,11 @@ class BlockDiffusionLM(nn.Module):
 
     @torch.no_grad()
     def forward_dense(self, ids: torch.Tensor, block_length: int | None = None) -> torch.Tensor:
-        """ids [N] -> fp32 logits [N, V], the whole sequence block-causally (blocks from 0)."""
-        if block_length is not None and block_length != self.cfg.decode.block_length:
-            raise ValueError("forward_dense uses the model's block length")
+        """ids [N] -> fp32 logits [N, V], the whole sequence block-causally (blocks of
+        ``block_length`` from 0; None: the model's)."""
         w = self.embed.weight
         kv = BlockKV.empty(self.cfg, int(ids.shape[0]), w.dtype, w.device)
-        return self.forward_rows([RowsWork(ids, 0, kv)])[0]
+        return self.forward_rows([RowsWork(ids, 0, kv, block_length=block_length)])[0]
 
 
 def with_block_length(cfg: BlockModelConfig, block_length: int) -> BlockModelConfig:
