@@ -227,7 +227,7 @@ def test_kv_budget_evicts_the_prefix_cache_before_admission_waits(folders):
         eng.step()
     again = eng.done[rid]
     assert again.meta["cached_tokens"] == 12  # its own three prompt blocks were kept
-    assert len(eng.cache.match(old, 12)) == 1
+    assert len(eng.cache.of(B).match(old, 12)) == 1
     ref = BlockEngine(model, BlockEngineOptions(prefix_cache=False)).run([kept], params)[0]
     assert again.tokens == ref.tokens
 
@@ -285,7 +285,8 @@ def _engine_pair(folder: str):
 
 
 _event = st.one_of(
-    st.tuples(st.just("batch"), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.integers(1, 9)),
+    st.tuples(st.just("batch"), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.integers(1, 9),
+                                                   st.sampled_from([None, None, 8])),  # the request's block length
                                          min_size=1, max_size=3)),
     st.tuples(st.just("turn"), st.tuples(st.integers(0, 5), st.integers(1, 9))),
     st.just(("flush",)),
@@ -296,9 +297,10 @@ _event = st.one_of(
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events=st.lists(_event, min_size=2, max_size=5), data=st.data())
 def test_exact_reuse_equals_cache_off(folders, name, events, data):
-    """Shared prefixes of every length (3 roots x cut points, aligned or not), batches, multi-turn
-    turns (prompt + answer + new text) and flushes: cache on == cache off, token for token; the
-    reused span is [0, R) with R a multiple of the block length, at full depth."""
+    """Shared prefixes of every length (3 roots x cut points, aligned or not), batches mixing
+    block lengths (the model's and a request's 8: reuse never crosses them), multi-turn turns
+    (prompt + answer + new text) and flushes: cache on == cache off, token for token; the reused
+    span is [0, R) with R a multiple of the request's block length, at full depth."""
     on, off = _engine_pair(folders[name])
     L = on.cfg.n_layers
     roots = [_ids(13, 700 + i) for i in range(3)]
@@ -308,20 +310,22 @@ def test_exact_reuse_equals_cache_off(folders, name, events, data):
             on.flush_cache()
             continue
         if ev[0] == "batch":
-            prompts = [roots[r][:cut + 3] + _ids(extra % 3, r * 10 + extra) for r, cut, extra in ev[1]]
-            gens = [g for *_, g in ev[1]]
+            prompts = [roots[r][:cut + 3] + _ids(extra % 3, r * 10 + extra) for r, cut, extra, _ in ev[1]]
+            gens, lengths = [g for _, _, g, _ in ev[1]], [bl for *_, bl in ev[1]]
         else:
             if not history:
                 continue
             prev = history[data.draw(st.integers(0, len(history) - 1))]
             prompts, gens = [prev + _ids(ev[1][0] + 1, 900 + ev[1][0])], [ev[1][1]]
-        params = [BlockParams(max_new_tokens=g) for g in gens]
+            lengths = [data.draw(st.sampled_from([None, 8]))]
+        params = [BlockParams(max_new_tokens=g, block_length=bl) for g, bl in zip(gens, lengths)]
         got = on.run(prompts, params)
         want = [off.run([p], q)[0] for p, q in zip(prompts, params)]
-        for p, r_on, r_off in zip(prompts, got, want):
+        for p, q, r_on, r_off in zip(prompts, params, got, want):
             assert r_on.tokens == r_off.tokens
-            R = r_on.meta["cached_tokens"]
-            assert R % B == 0 and (len(p) // B) * B >= R and r_on.meta["reused_span"] == [0, R]
+            R, b = r_on.meta["cached_tokens"], q.block_length or B
+            assert r_on.meta["block_length"] == b
+            assert R % b == 0 and (len(p) // b) * b >= R and r_on.meta["reused_span"] == [0, R]
             assert r_on.meta["bicache_depth"] == (L if R else 0)
             history.append(p + r_on.tokens)
 
@@ -383,3 +387,86 @@ def test_llada21_token_editing_is_token_identical_to_the_joint_rule(folders, ple
                                    block_length=B, threshold=thr, edit_threshold=edit, max_post_edit_steps=4)
     assert got.tokens == want
     assert edits > 0
+
+
+# ---- per-request block length, cache_mode none ----------------------------------------------------
+
+@pytest.mark.parametrize("name,plen,gen", [("sdar", 6, 13), ("sdar", 8, 9), ("llada2", 5, 11)])
+def test_request_block_length_decodes_as_the_published_generate_with_it(folders, name, plen, gen):
+    """SDAR's (and LLaDA2's) published generate takes block_length: a request with block_length 8
+    on a checkpoint of block length 4 decodes as the re-stated generate with block_length 8 (its
+    blocks, its block-causal attention), which differs from the answer at 4."""
+    model = load_block_model(folders[name], dtype=torch.float64)
+    cfg = model.cfg
+    ref = load_block_reference(folders[name])
+    prompt = _ids(plen, 40 + plen)
+
+    def published(bl: int) -> list[int]:
+        def fn(ids):
+            return reference_block_logits(ref, ids, bl)
+        if name == "sdar":
+            return sdar_generate(fn, prompt, mask_id=cfg.mask_token_id, stop_ids=cfg.eos_token_ids, gen_length=gen,
+                                 block_length=bl, denoising_steps=cfg.decode.steps,
+                                 confidence_threshold=cfg.decode.threshold)
+        return llada2_generate(fn, prompt, mask_id=cfg.mask_token_id, eos_id=cfg.eos_token_ids[0], gen_length=gen,
+                               block_length=bl, steps=cfg.decode.steps, threshold=cfg.decode.threshold)
+
+    got = BlockEngine(model).run([prompt], BlockParams(max_new_tokens=gen, block_length=8))[0]
+    assert got.meta["block_length"] == 8
+    assert got.tokens == published(8)
+    assert published(8) != published(B)  # the block length changes this answer
+
+
+@pytest.mark.parametrize("name", ["llada2", "sdar"])
+def test_reuse_is_keyed_by_block_length(folders, name):
+    """The same prompt at block length 4, then 8, then 8 again, then 4 again: a request reuses only
+    blocks computed with its own block length (the first at 8 reuses nothing, though the 4-blocks
+    of its prompt are cached), and every answer equals cache off."""
+    on, off = _engine_pair(folders[name])
+    on.flush_cache()
+    prompt = _ids(19, 77)
+    seen = []
+    for bl in (None, 8, 8, None):
+        p = BlockParams(max_new_tokens=6, block_length=bl)
+        r = on.run([prompt], p)[0]
+        assert r.tokens == off.run([prompt], p)[0].tokens
+        seen.append(r.meta["cached_tokens"])
+    assert seen == [0, 0, 16, 16]
+    assert on.cache.lengths == [4, 8]
+
+
+def test_caches_of_two_block_lengths_share_one_budget(folders):
+    """Under a K/V budget the caches of every block length together stay within what the running
+    windows leave; admitting a request evicts the other length's blocks before its own."""
+    model = load_block_model(folders["sdar"])
+    eng = BlockEngine(model, BlockEngineOptions(kv_budget=48))
+    a, b = _ids(16, 5), _ids(32, 6)
+    eng.run([a], BlockParams(max_new_tokens=4, block_length=8))  # window 24; caches its 2 committed 8-blocks
+    assert eng.cache.n_tokens == 16 and eng.cache.of(8).n_tokens == 16
+    rid = eng.submit(b, BlockParams(max_new_tokens=4))  # window 36: 12 left, so one 8-block goes
+    eng.step()
+    assert eng.cache.of(8).n_tokens == 8 and eng.kv_in_use <= 48
+    while rid not in eng.done:
+        eng.step()
+        assert eng.kv_in_use <= 48
+    r = eng.done[rid]
+    assert r.tokens == BlockEngine(model, BlockEngineOptions(prefix_cache=False)).run(
+        [b], BlockParams(max_new_tokens=4))[0].tokens
+
+
+@pytest.mark.parametrize("name", ["llada2", "sdar"])
+def test_use_cache_false_neither_reuses_nor_stores(folders, name):
+    """cache_mode "none" (BlockParams.use_cache False): the request reuses no cached block though
+    its prompt is cached, stores none of its own (a later request of its prompt finds nothing
+    beyond what others stored), and answers as cache off."""
+    on, off = _engine_pair(folders[name])
+    on.flush_cache()
+    shared, own = _ids(12, 90), _ids(12, 91)
+    on.run([shared], BlockParams(max_new_tokens=4))
+    r = on.run([shared], BlockParams(max_new_tokens=4, use_cache=False))[0]
+    assert r.meta["cached_tokens"] == 0
+    assert r.tokens == off.run([shared], BlockParams(max_new_tokens=4))[0].tokens
+    before = on.cache.n_tokens
+    on.run([own], BlockParams(max_new_tokens=4, use_cache=False))
+    assert on.cache.n_tokens == before
+    assert on.run([own], BlockParams(max_new_tokens=4))[0].meta["cached_tokens"] == 0

@@ -287,6 +287,32 @@ def test_hostile_block_traffic_harms_no_bystander_and_keeps_the_cache_exact(serv
     assert growth < RSS_GROWTH_BOUND, f"RSS grew {growth / 2**20:.1f} MiB"
 
 
+def test_heavy_regex_is_answered_without_a_5xx_while_bystanders_run(server):
+    """A regex whose automaton takes longer to build than a submission's round trip to the engine
+    process may wait (10 s; here up to the build's 30 s limit): the server builds it before it
+    submits, as for the bidirectional engine, so the answer is a 200 or a 400 naming the regex,
+    never the 500 "the engine process did not answer submitting the request"; a plain request
+    sent meanwhile is answered."""
+    url = server.url
+    heavy: dict = {}
+
+    def send() -> None:
+        body = {"text": "heavy", "sampling_params": {"max_new_tokens": 4, "regex": "o.{3605}"}}
+        r = requests.post(url + "/generate", json=body, headers=USER, timeout=TIMEOUT)
+        heavy.update(status=r.status_code, text=r.text)
+
+    th = threading.Thread(target=send)
+    th.start()
+    time.sleep(0.5)  # the build is running
+    r = requests.post(url + "/generate", json=bystander(1), headers=USER, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    th.join(TIMEOUT)
+    assert heavy["status"] in (200, 400), heavy
+    if heavy["status"] == 400:
+        assert "regex" in heavy["text"], heavy
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
 def test_abort_mid_block_ends_with_abort_and_leaves_no_window(server):
     """A streaming request aborted after its first block (one token per step, so mid-block): its
     stream ends with an abort frame, and its K/V window is given back (idle: the cache alone)."""

@@ -113,7 +113,7 @@ def test_stop_string_cuts_the_text(server):
 
 
 @pytest.mark.parametrize("params,field", [({"dllm_algorithm": "entropy"}, "dllm_algorithm"),
-                                          ({"block_length": 8}, "block_length"), ({"steps": 16}, "steps"),
+                                          ({"block_length": 10**6}, "block_length"), ({"steps": 16}, "steps"),
                                           ({"cfg_scale": 1.5}, "cfg_scale"), ({"cache_mode": "dual"}, "cache_mode"),
                                           ({"refresh_interval": 2}, "refresh_interval"),
                                           ({"logit_bias": {"999999": 1.0}}, "logit_bias")])
@@ -121,6 +121,25 @@ def test_unsupported_parameters_are_refused_by_name(server, params, field):
     rt, _ = server
     code, body = _post(f"{_url(rt)}/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, **params}})
     assert code == 400 and field in json.dumps(body)
+
+
+def test_request_block_length_and_cache_mode_none(server):
+    """block_length 8 on a checkpoint of block length 4 decodes as the offline engine with that
+    block length, and a repeat reuses whole 8-blocks; cache_mode "none" reuses none (nor stores)
+    and answers the same."""
+    rt, folder = server
+    url = _url(rt)
+    ids = list(range(30, 49))
+    sp = {"max_new_tokens": 9, "temperature": 0, "block_length": 8}
+    first = http_json(f"{url}/generate", {"input_ids": ids, "sampling_params": sp})
+    offline = BlockEngine(load_block_model(folder), BlockEngineOptions(prefix_cache=False)).run(
+        [ids], BlockParams(max_new_tokens=9, block_length=8))[0]
+    want = offline.tokens[:-1] if offline.meta["finish_reason"] == "stop" else offline.tokens
+    assert first["output_ids"] == want and first["meta_info"]["block_length"] == 8
+    again = http_json(f"{url}/generate", {"input_ids": ids, "sampling_params": sp})
+    assert again["output_ids"] == want and again["meta_info"]["cached_tokens"] == 16
+    none = http_json(f"{url}/generate", {"input_ids": ids, "sampling_params": {**sp, "cache_mode": "none"}})
+    assert none["output_ids"] == want and none["meta_info"]["cached_tokens"] == 0
 
 
 def test_openai_chat_and_sglang_frontend(server):

@@ -172,7 +172,7 @@ def test_openai_completion_stop_equals_generate(oai, server):
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field,value", [("steps", 16), ("cfg_scale", 1.5), ("dllm_algorithm", "entropy"),
-                                         ("block_length", 4), ("cache_mode", "dual"), ("eps", 1e-3)])
+                                         ("block_length", 10**6), ("cache_mode", "dual"), ("eps", 1e-3)])
 def test_openai_fields_without_meaning_for_block_models_are_400_naming_them(server, route, field, value):
     """The block engine's refusals reach /v1 as the server's own do: a 400 whose ``param`` is the field."""
     body = {"prompt": "x"} if route == "/v1/completions" else {"messages": MSGS}

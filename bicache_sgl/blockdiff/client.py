@@ -70,7 +70,6 @@ _REFUSED = {
     "dllm_eps": (None, "eps", "a bidirectional (Dream) schedule knob"),
     "dllm_alg_temp": (None, "alg_temp", "a bidirectional (Dream) schedule knob"),
     "cfg_scale": (0.0, "cfg_scale", "classifier-free guidance is not implemented for them"),
-    "cache_mode": (None, "cache_mode", "they always use their exact block K/V cache"),
     "refresh_interval": (None, "refresh_interval", "they always use their exact block K/V cache"),
     "step_rows": (None, "step_rows", "a step computes the current block's rows"),
 }
@@ -319,10 +318,17 @@ class BlockEngineClient:
         for name, (default, wire, why) in _REFUSED.items():
             if getattr(p, name) != default:
                 raise InvalidRequest(f"{wire} is not supported for block-diffusion models ({fam}): {why}", wire)
-        B = cfg.decode.block_length
-        if p.block_length is not None and p.block_length != B:
-            raise InvalidRequest(f"block_length: {fam} decodes in its block length {B} (the checkpoint's; the "
-                                 f"exact block cache is keyed by it), got {p.block_length}", "block_length")
+        if p.cache_mode not in (None, "none"):
+            raise InvalidRequest(f"cache_mode {p.cache_mode!r} is not supported for block-diffusion models ({fam}): "
+                                 "'prefix' and 'dual' name the bidirectional engine's approximate in-request caches; "
+                                 "their in-request K/V is exact, and 'none' turns off the cross-request block cache "
+                                 "for this request (it neither reuses nor stores blocks)", "cache_mode")
+        # a request may name its block length, as the published generate takes one (SDAR, LLaDA2);
+        # the exact block cache is keyed by it (blockdiff/caches.py)
+        blen = p.block_length if p.block_length is not None else cfg.decode.block_length
+        if blen > self.context_length:
+            raise InvalidRequest(f"block_length {blen} is longer than the context length {self.context_length}",
+                                 "block_length")
         if p.steps_per_block is not None and cfg.decode.edit_threshold is not None:
             raise InvalidRequest("steps_per_block: this server decodes with joint_threshold (LLaDA2.1's token "
                                  "editing), which has no step schedule (a block takes at most block_length + "
@@ -334,9 +340,9 @@ class BlockEngineClient:
             raise InvalidRequest("n: an engine request is one sample (the server and the OpenAI routes send n > 1 "
                                  "as n requests)", "n")
         check_logit_bias(p.logit_bias, cfg.vocab_size)
-        check_context(len(ids), p.max_new_tokens, self.context_length, block=B)  # it runs whole blocks
+        check_context(len(ids), p.max_new_tokens, self.context_length, block=blen)  # it runs whole blocks
         check_min_new_tokens(p)
-        self.engine.check_fits(len(ids), p.max_new_tokens)
+        self.engine.check_fits(len(ids), p.max_new_tokens, blen)
         p = reachable_stop_ids(p, cfg.vocab_size)
         if p is not greq.params:
             greq = dataclasses.replace(greq, params=p)
@@ -351,7 +357,8 @@ class BlockEngineClient:
         end_ids = tuple(sorted(set(() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)))
         steps = p.steps_per_block if p.steps_per_block is not None else self.default_steps
         threshold = p.threshold if p.threshold is not None else self.default_threshold
-        return BlockParams(max_new_tokens=p.max_new_tokens, steps=steps, threshold=threshold,
+        return BlockParams(max_new_tokens=p.max_new_tokens, block_length=p.block_length, steps=steps,
+                           threshold=threshold, use_cache=p.cache_mode != "none",
                            temperature=float(temperature), top_k=p.top_k if p.top_k > 0 else None,
                            top_p=p.top_p, seed=p.seed if p.seed is not None else seed, stop_ids=end_ids,
                            edit_threshold=self.model_config.decode.edit_threshold,

@@ -39,10 +39,10 @@ from ..constrained import NoCompletion
 from ..decoding.block import BlockLayout, cut_answer, effective_steps, select_transfer, transfer_schedule
 from ..decoding.logprobs import Logprobs
 from ..io_struct import InvalidRequest
-from ..kv_cache.block_prefix import BlockPrefixCache
 from ..models.block_model import BlockDiffusionLM, BlockKV, RowsWork
 from ..scheduler.structured import StructuredOutput
 from ..scheduler.validate import check_context, check_logprob_start, check_prompt_ids
+from .caches import BlockCaches
 from .logprobs import BlockScore, record_written
 from .params import BlockParams
 from .sampling import BlockSampler
@@ -83,6 +83,7 @@ class _Req:
     prompt: list[int]
     params: BlockParams
     layout: BlockLayout
+    B: int  # its block length (the request's, else the model's): its blocks, attention and cache
     schedule: list[int]
     threshold: float
     x: torch.Tensor  # [total_length] long: prompt, decoded tokens, masks
@@ -112,8 +113,9 @@ class BlockEngine:
     def __init__(self, model: BlockDiffusionLM, options: BlockEngineOptions = BlockEngineOptions()) -> None:
         self.model, self.options = model, options
         self.cfg = model.cfg
-        self.B = self.cfg.decode.block_length
-        self.cache = BlockPrefixCache(self.B, options.cache_blocks if options.prefix_cache else 0)
+        self.B = self.cfg.decode.block_length  # the model's; a request may name its own (BlockParams.block_length)
+        # exact reuse keyed by block length (blockdiff/caches.py); cache_blocks counts the model's blocks
+        self.cache = BlockCaches(options.cache_blocks * self.B if options.prefix_cache else 0)
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
         self.done: dict[int, BlockResult] = {}
@@ -130,11 +132,12 @@ class BlockEngine:
         logprobs; input logprobs from ``logprob_start_len`` when it is >= 0, or of the whole
         prompt for a prefill-only request, as the bidirectional engine defines them)."""
         prompt = [int(t) for t in prompt]
+        B = params.block_length or self.B
         check_prompt_ids(prompt, self.cfg.vocab_size)
-        check_context(len(prompt), params.max_new_tokens, self.cfg.max_position_embeddings, block=self.B)
+        check_context(len(prompt), params.max_new_tokens, self.cfg.max_position_embeddings, block=B)
         d = self.cfg.decode
-        self.check_fits(len(prompt), params.max_new_tokens)
-        layout = BlockLayout(len(prompt), params.max_new_tokens, self.B)
+        self.check_fits(len(prompt), params.max_new_tokens, B)
+        layout = BlockLayout(len(prompt), params.max_new_tokens, B)
         steps = params.steps or d.steps
         if d.cap_steps_by_gen_length:
             steps = effective_steps(steps, params.max_new_tokens, params.minimal_topk)
@@ -145,22 +148,24 @@ class BlockEngine:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         sampler = BlockSampler(params, prompt, mask_id=self.cfg.mask_token_id,
                                eos_ids=self.options.eos_ids or self.cfg.eos_token_ids, vocab_size=self.cfg.vocab_size)
-        req = _Req(next(self._rids), prompt, params, layout, transfer_schedule(self.B, steps),
+        req = _Req(next(self._rids), prompt, params, layout, B, transfer_schedule(B, steps),
                    d.threshold if params.threshold is None else params.threshold, x, None, layout.first_block,
                    generator=gen, logprobs=logprobs, sampler=sampler)
         if logprobs is not None and (not req.generates or logprob_start_len >= 0):
-            req.score = BlockScore(logprobs, prompt, logprob_start_len, self.cfg.mask_token_id, self.B)
+            req.score = BlockScore(logprobs, prompt, logprob_start_len, self.cfg.mask_token_id, B)
         self.waiting.append(req)
         return req.rid
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """A request's window (prompt + max_new_tokens in whole blocks) fits the whole K/V budget;
-        one that does not could never be admitted (it would wait forever)."""
+    def check_fits(self, prompt_len: int, max_new_tokens: int, block_length: int | None = None) -> None:
+        """A request's window (prompt + max_new_tokens in whole blocks of ``block_length``, None:
+        the model's) fits the whole K/V budget; one that does not could never be admitted (it
+        would wait forever)."""
         budget = self.options.kv_budget
-        total = BlockLayout(prompt_len, max_new_tokens, self.B).total_length
+        B = block_length or self.B
+        total = BlockLayout(prompt_len, max_new_tokens, B).total_length
         if budget is not None and total > budget:
             raise InvalidRequest(f"the prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) in whole "
-                                 f"blocks of {self.B} needs {total} K/V positions, over the whole K/V budget of "
+                                 f"blocks of {B} needs {total} K/V positions, over the whole K/V budget of "
                                  f"{budget} (--max-total-tokens)", "max_new_tokens")
 
     @property
@@ -171,10 +176,11 @@ class BlockEngine:
     def _windows(self) -> int:
         return sum(r.layout.total_length for r in self.running)
 
-    def _cache_room(self) -> int | None:
-        """Blocks the cache may hold beside the running windows (None: no budget)."""
+    def _cache_room(self, B: int) -> int:
+        """Blocks of length B the cache may hold beside the running windows and the other block
+        lengths' blocks (blockdiff/caches.py)."""
         budget = self.options.kv_budget
-        return None if budget is None else (budget - self._windows()) // self.B
+        return self.cache.room(B, None if budget is None else budget - self._windows())
 
     def _admit(self) -> None:
         """Admit waiting requests in arrival order while there is a running slot and (with a
@@ -188,23 +194,25 @@ class BlockEngine:
                 break  # only finishing requests make room: evicting the cache would not
             self.waiting.popleft()
             hit = []
-            if self.options.prefix_cache:
-                # whole prompt blocks only: the block holding the prompt's tail is computed; the
+            B = r.B
+            if self.options.prefix_cache and r.params.use_cache:
+                # whole prompt blocks only, computed with this request's block length (never another
+                # length's: blockdiff/caches.py): the block holding the prompt's tail is computed; the
                 # match touches its path, so the eviction below takes it last
-                hit = self.cache.match(r.prompt, (len(r.prompt) // self.B) * self.B)
+                hit = self.cache.of(B).match(r.prompt, (len(r.prompt) // B) * B)
             if room is not None:
-                # the cache keeps at most room // B blocks; the matched path is the newest, so it
-                # goes last, deepest block first: the blocks that survive are hit[:keep], and the
-                # references to the others are dropped before the window is allocated (exact budget)
-                keep = room // self.B
-                self.cache.shrink(keep)
+                # the caches keep at most room positions, the other block lengths' blocks evicted
+                # first; the matched path is the newest, so it goes last, deepest block first: the
+                # blocks that survive are hit[:keep], and the references to the others are dropped
+                # before the window is allocated (exact budget)
+                keep = self.cache.make_room(B, room)
                 del hit[keep:]
             r.kv = BlockKV.empty(self.cfg, r.layout.total_length, self.dtype, self.device)
             if hit:
                 for b, (k, v) in enumerate(hit):
-                    r.kv.k[:, b * self.B:(b + 1) * self.B] = k
-                    r.kv.v[:, b * self.B:(b + 1) * self.B] = v
-                r.reused = len(hit) * self.B
+                    r.kv.k[:, b * B:(b + 1) * B] = k
+                    r.kv.v[:, b * B:(b + 1) * B] = v
+                r.reused = len(hit) * B
                 r.kv.committed = r.reused
             if r.score is not None:
                 r.score.admit(self.cfg, hit, self.dtype, self.device)
@@ -219,8 +227,8 @@ class BlockEngine:
         work = []
         for r in self.running:
             # a prefill-only request computes its whole prompt blocks (no logits)
-            start, end = r.kv.committed, (r.block + 1 if r.generates else r.block) * self.B
-            work.append(RowsWork(r.x[start:end], start, r.kv, logit_from=r.block * self.B - start))
+            start, end = r.kv.committed, (r.block + 1 if r.generates else r.block) * r.B
+            work.append(RowsWork(r.x[start:end], start, r.kv, logit_from=r.block * r.B - start, block_length=r.B))
         # input logprobs: each new request's scoring rows ride on the same forward
         scores = [r for r in self.running if r.score is not None and r.score.pending]
         packed = [w for w in work if w.ids.numel()] + [r.score.work() for r in scores]
@@ -233,12 +241,12 @@ class BlockEngine:
         for r, w, lg in zip(self.running, work, logits):
             r.forwards += 1
             r.computed_rows += int(w.ids.shape[0])
-            r.kv.committed = r.block * self.B  # every row before the current block is final now
-            if r.forwards == 1 and self.options.prefix_cache and r.kv.committed > r.reused:
+            r.kv.committed = r.block * r.B  # every row before the current block is final now
+            if r.forwards == 1 and self.options.prefix_cache and r.params.use_cache and r.kv.committed > r.reused:
                 # the prompt's whole blocks are final after the first forward: cache them now, so
                 # requests admitted later share them while this one still decodes
-                self.cache.insert(r.prompt, min(r.kv.committed, (len(r.prompt) // self.B) * self.B), r.kv.k, r.kv.v,
-                                  room=self._cache_room())
+                self.cache.of(r.B).insert(r.prompt, min(r.kv.committed, (len(r.prompt) // r.B) * r.B), r.kv.k,
+                                          r.kv.v, room=self._cache_room(r.B))
             if not r.generates:
                 finished.append(r)
                 continue
@@ -251,7 +259,7 @@ class BlockEngine:
 
     def _apply(self, r: _Req, logits: torch.Tensor) -> bool:
         """Unmask this step's tokens of r's current block; True when r is done."""
-        a, b = r.block * self.B, (r.block + 1) * self.B
+        a, b = r.block * r.B, (r.block + 1) * r.B
         blk = r.x[a:b]
         masked = blk == self.cfg.mask_token_id
         try:  # the processed logits' decision (under a constraint: its path on the masked rows)
@@ -299,8 +307,8 @@ class BlockEngine:
         left, at most ``max_post_edit_steps`` more steps; the block ends when a step changes
         nothing, or after block_length + max_post_edit_steps steps."""
         p = r.params
-        a = r.block * self.B
-        prompt = torch.arange(a, a + self.B) < len(r.prompt)
+        a = r.block * r.B
+        prompt = torch.arange(a, a + r.B) < len(r.prompt)
         if bool(masked.any()):
             conf_m = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
             m2t = conf_m > r.threshold
@@ -315,25 +323,25 @@ class BlockEngine:
         t2t = (conf > p.edit_threshold) & (blk != tok) & ~masked & ~prompt
         if bool(t2t.any()) and r.sampler.structured is not None:
             # under a constraint only edits that keep the block on a matching path
-            t2t = r.sampler.viable_edits(r.x, a, a + self.B, m2t, t2t, tok, conf)
+            t2t = r.sampler.viable_edits(r.x, a, a + r.B, m2t, t2t, tok, conf)
         change = m2t | t2t
         if not bool(change.any()):
             return True
         blk[change] = tok[change]
         r.step += 1
-        return r.step >= self.B + p.max_post_edit_steps
+        return r.step >= r.B + p.max_post_edit_steps
 
     def _finish(self, r: _Req) -> BlockResult:
         P = len(r.prompt)
-        if self.options.prefix_cache:
+        if self.options.prefix_cache and r.params.use_cache:
             # committed rows: the prompt's whole blocks, and with cache_output the answer's
             # committed blocks (their tokens and K/V are final)
-            n = r.kv.committed if self.options.cache_output else min(r.kv.committed, (P // self.B) * self.B)
+            n = r.kv.committed if self.options.cache_output else min(r.kv.committed, (P // r.B) * r.B)
             # r is out of the running windows already; its buffer is freed right after the copy
-            self.cache.insert(r.x.tolist(), n, r.kv.k, r.kv.v, room=self._cache_room())
+            self.cache.of(r.B).insert(r.x.tolist(), n, r.kv.k, r.kv.v, room=self._cache_room(r.B))
         stop = self._stop_ids(r)
         # aborted by its constraint: the committed blocks only (the current one is not final)
-        tokens = cut_answer(r.x[P:max(P, r.block * self.B) if r.abort else None].tolist(), r.params.max_new_tokens,
+        tokens = cut_answer(r.x[P:max(P, r.block * r.B) if r.abort else None].tolist(), r.params.max_new_tokens,
                             stop, r.params.min_new_tokens)
         stopped = len(tokens) > r.params.min_new_tokens and tokens[-1] in stop
         meta = {**self._progress(r), "completion_tokens": len(tokens),
@@ -349,7 +357,7 @@ class BlockEngine:
         P, L = len(r.prompt), self.cfg.n_layers
         return {"prompt_tokens": P, "cached_tokens": r.reused, "bicache_depth": L if r.reused else 0,
                 "reused_span": [0, r.reused], "sequence_tokens": P + r.params.max_new_tokens,
-                "block_length": self.B, "reuse_rule": "exact-block", "forwards": r.forwards,
+                "block_length": r.B, "reuse_rule": "exact-block", "forwards": r.forwards,
                 "computed_rows": r.computed_rows}
 
     def _stop_ids(self, r: _Req) -> tuple[int, ...]:

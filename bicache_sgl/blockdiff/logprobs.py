@@ -70,7 +70,8 @@ class BlockScore:
 
     def work(self) -> RowsWork:
         """Rows ``[reused, n)`` of the masked prompt; logits from the first scored position."""
-        return RowsWork(self.x[self.reused:], self.reused, self.kv, logit_from=self.first - self.reused)
+        return RowsWork(self.x[self.reused:], self.reused, self.kv, logit_from=self.first - self.reused,
+                        block_length=self.B)
 
     @property
     def rows(self) -> int:

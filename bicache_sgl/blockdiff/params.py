@@ -14,6 +14,9 @@ class BlockParams:
     """One request's decoding parameters; None: the family's published default."""
 
     max_new_tokens: int = 128
+    # the request's block length (None: the model's), as the published generate takes one (SDAR's
+    # block_length, LLaDA2's); its K/V is reused only by requests of the same length (caches.py)
+    block_length: int | None = None
     steps: int | None = None  # per block
     threshold: float | None = None
     minimal_topk: int = 1
@@ -38,10 +41,15 @@ class BlockParams:
     # a compiled regex / JSON-schema constraint (scheduler/factory.py's request_constraint, with
     # stop_ids as its end ids); the output then fully matches it (docs/structured.md)
     constraint: Constraint | None = None
+    # False (cache_mode "none"): the request neither reuses cached blocks nor stores its own
+    # (docs/block_diffusion.md, section 5); its in-request K/V of committed blocks is exact either way
+    use_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:  # 0: prefill-only (no output)
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.block_length is not None and self.block_length < 1:
+            raise ValueError(f"block_length must be >= 1, got {self.block_length}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:

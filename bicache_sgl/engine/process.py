@@ -48,7 +48,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..constrained.index import Limits
 from ..io_struct import GenerateRequest, QueueFullError, RequestEvent
-from ..scheduler.validate import ValidRequest, validate_request
+from ..scheduler.validate import ValidRequest, reachable_stop_ids, validate_request
 from .process_channel import EngineChannel
 from .process_child import default_engine_threads
 from .wire import EngineDeadError, failed_event, fill_logprob_texts
@@ -154,9 +154,19 @@ class EngineProcessClient:
         """Validate once (pure) and check the constraint (cached build, off the caller's loop):
         the request as it is sent and the constraint index ((regex, limits, IndexData)) the
         engine process then takes instead of building it again. An engine that validates each
-        submission itself is sent the request as it is."""
+        submission itself (the block engine) is sent the request as it is, with its constraint
+        built here all the same: a build may take up to its time limit (30 s), longer than the
+        submission's round trip may wait, and here it waits on nothing (the caller is off the
+        event loop, a refused build is the ValueError the engine would raise, and the engine
+        process's build is then a cache hit). Its end ids are the ones the engine compiles with
+        (the model's EOS ids and the stop ids inside the vocabulary)."""
         if self._factory is None:
-            return greq, []
+            if greq.params.constraint is None:
+                return greq, []
+            from ..scheduler.factory import request_constraint
+            p = reachable_stop_ids(greq.params, self.model_config.vocab_size)
+            c = request_constraint(p, self.tokenizer, self.eos_ids)
+            return greq, [] if c is None else [(c.regex, Limits(), c.index)]
         v = validate_request(greq, self._factory.limits)
         c = self._factory.constraint(v.greq.params)
         return v, [] if c is None else [(c.regex, Limits(), c.index)]

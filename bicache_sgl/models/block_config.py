@@ -71,8 +71,9 @@ FAMILY_DEFAULTS = {
     "llada2": BlockDecodeDefaults(block_length=32, steps=32, threshold=0.95),
     "sdar": BlockDecodeDefaults(block_length=4, steps=4, threshold=0.85, cap_steps_by_gen_length=False),
 }
-# LLaDA2.0's generate() defaults for the special ids (mask 156895, eos 156892) when config.json
-# does not name them; SDAR's tokenizer names its <|MASK|> token (Qwen3 vocabulary + 1 added).
+# The special ids hard-coded by the published code (LLaDA2.0's generate(): mask 156895, eos 156892;
+# SDAR's tokenizer's <|MASK|>, Qwen3 vocabulary + 1 added): the last fallback when config.json,
+# generation_config.json and the tokenizer name none (models/special_ids.py reads them in that order).
 MASK_ID_DEFAULTS = {"llada2": 156895, "sdar": 151669}
 EOS_ID_DEFAULTS = {"llada2": 156892, "sdar": 151645}
 

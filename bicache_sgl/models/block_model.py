@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention.block_causal import block_causal_attention
-from .block_config import BlockModelConfig, block_checkpoint_names, parse_block_config
+from .block_config import BlockModelConfig, block_checkpoint_names, detect_block_family, parse_block_config
 from .model import RMSNorm, SwiGLU
 from .spec import CheckpointError
 
@@ -150,6 +150,7 @@ class RowsWork:
     q_start: int
     kv: BlockKV
     logit_from: int = 0
+    block_length: int | None = None  # the sequence's block length (None: the model's decode default)
 
 
 class BlockDiffusionLM(nn.Module):
@@ -232,7 +233,7 @@ class BlockDiffusionLM(nn.Module):
                 if qa == b:
                     continue
                 o = self.attention(q[qa:b], w.kv.k[li, :end].to(q.dtype), w.kv.v[li, :end].to(q.dtype),
-                                   w.q_start + (qa - a), B)
+                                   w.q_start + (qa - a), w.block_length or B)
                 outs.append(o)
             if last:
                 if keep.numel() == 0:
@@ -251,12 +252,11 @@ class BlockDiffusionLM(nn.Module):
 
     @torch.no_grad()
     def forward_dense(self, ids: torch.Tensor, block_length: int | None = None) -> torch.Tensor:
-        """ids [N] -> fp32 logits [N, V], the whole sequence block-causally (blocks from 0)."""
-        if block_length is not None and block_length != self.cfg.decode.block_length:
-            raise ValueError("forward_dense uses the model's block length")
+        """ids [N] -> fp32 logits [N, V], the whole sequence block-causally (blocks of
+        ``block_length`` from 0; None: the model's)."""
         w = self.embed.weight
         kv = BlockKV.empty(self.cfg, int(ids.shape[0]), w.dtype, w.device)
-        return self.forward_rows([RowsWork(ids, 0, kv)])[0]
+        return self.forward_rows([RowsWork(ids, 0, kv, block_length=block_length)])[0]
 
 
 def with_block_length(cfg: BlockModelConfig, block_length: int) -> BlockModelConfig:
@@ -311,7 +311,14 @@ def load_block_model(folder: str | Path, dtype: torch.dtype = torch.float32, dev
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {folder / 'config.json'}: {e}") from e
-    cfg = parse_block_config(raw, name=folder.name)
+    from .families import family_named
+    from .special_ids import parse_with_special_ids
+    if not isinstance(raw, dict) or detect_block_family(raw) is None:
+        parse_block_config(raw if isinstance(raw, dict) else {}, name=folder.name)  # raises, naming what is wrong
+    fam = family_named(detect_block_family(raw))
+    # the special ids as the published code reads them (the one reader of every family)
+    cfg = parse_with_special_ids(folder, raw, lambda c: parse_block_config(c, name=folder.name), fam.name,
+                                 fam.mask_token_id, fam.eos_token_ids)
     cfg = _with_generation_defaults(cfg, folder / "generation_config.json", decode_defaults or {},
                                     decode_overrides or {})
     if block_length is not None:

@@ -23,6 +23,7 @@ from ..config import canonical_algorithm
 from .config import CheckpointError, ModelConfig, parse_model_config
 from .families import family_of
 from .model import DiffusionLM
+from .special_ids import parse_with_special_ids
 from .weights import checkpoint_names
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,14 @@ def read_generation_config(path: str) -> GenerationDefaults:
 
 
 def load_model_config(path: str) -> CheckpointConfig:
-    """config.json, with the generation defaults of generation_config.json when present."""
-    cfg = parse_model_config(read_config(path), name=Path(path).name)
+    """config.json, with the generation defaults of generation_config.json when present and the
+    special ids read as the published code reads them (models/special_ids.py)."""
+    raw = read_config(path)
+    fam = family_of(raw)
+    # the special ids as the published code reads them (config.json, generation_config.json, the
+    # tokenizer's named tokens, the family's default last): models/special_ids.py
+    cfg = parse_with_special_ids(path, raw, lambda c: parse_model_config(c, name=Path(path).name), fam.name,
+                                 fam.mask_token_id, fam.eos_token_ids)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     return CheckpointConfig(**fields, generation=read_generation_config(path))
 

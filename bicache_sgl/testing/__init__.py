@@ -46,13 +46,21 @@ def save_byte_tokenizer(folder: str | Path, special: tuple[str, ...] | list[str]
 
 
 def _start_folder(folder: str | Path, special: tuple[str, ...] | list[str] = tuple(SPECIAL_TOKENS),
-                  chat_template: str | None = CHAT_TEMPLATE) -> tuple[Path, dict[str, int], int]:
-    """Create ``folder`` and write the byte tokenizer into it; returns the folder, the
-    special-token ids and the vocabulary size (256 bytes + the special tokens)."""
+                  chat_template: str | None = CHAT_TEMPLATE, mask_token: str = "<|mask|>"
+                  ) -> tuple[Path, dict[str, int], int]:
+    """Create ``folder`` and write the byte tokenizer into it (``mask_token``: its declared mask
+    token); returns the folder, the special-token ids and the vocabulary size (256 bytes + the
+    special tokens)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    ids = save_byte_tokenizer(folder, special, chat_template=chat_template)
+    ids = save_byte_tokenizer(folder, special, chat_template=chat_template, mask_token=mask_token)
     return folder, ids, 256 + len(special)
+
+
+def _published_ids(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json as LLaDA-MoE, LLaDA2.x and SDAR publish it: no ``mask_token_id`` (their
+    code reads the mask from the tokenizer)."""
+    return {k: v for k, v in cfg.items() if k != "mask_token_id"}
 
 
 def _random_tensors(names: dict[str, tuple[str, tuple[int, ...]]], seed: int, std: float,
@@ -152,13 +160,16 @@ def make_tiny_llada_moe(folder: str | Path, *, n_layers: int = 4, hidden_size: i
                         n_kv_heads: int | None = None, n_experts: int = 8, top_k: int = 2, expert_size: int = 32,
                         moe_layer_freq: list[int] | None = None, shared_expert_size: int | None = None,
                         expert_bias: bool = False, dense_size: int = 96, seed: int = 0, shards: int = 1,
-                        std: float = 0.08, router_std: float = 0.2, embed_std: float = 1.0) -> str:
+                        std: float = 0.08, router_std: float = 0.2, embed_std: float = 1.0,
+                        published_ids: bool = False, special: tuple[str, ...] = LLADA_MOE_SPECIAL_TOKENS) -> str:
     """A random LLaDA-MoE checkpoint (LLaDAMoEModelLM config keys and tensor names: QK-norm,
     per-expert SwiGLU tensors; a router whose ``router_std``, with embeddings of ``embed_std``
     that keep the residual token-specific, makes routing differ between tokens).
-    config.json names ``mask_token_id`` (the published one does not: its <|mask|> id, 156895, is
-    outside this vocabulary). The tokenizer ships no chat template: the family's is used."""
-    folder, special, vocab = _start_folder(folder, LLADA_MOE_SPECIAL_TOKENS, chat_template=None)
+    config.json names ``mask_token_id``, unless ``published_ids``: then, as the published
+    config.json, it names none and the loader reads the tokenizer's <|mask|> (``special``: the
+    added tokens in id order, the first EOS and pad). The tokenizer ships no chat template: the
+    family's is used."""
+    folder, special, vocab = _start_folder(folder, special, chat_template=None)
     cfg = {
         "architectures": ["LLaDAMoEModelLM"], "model_type": "llada", "hidden_act": "silu",
         "hidden_size": hidden_size, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
@@ -173,7 +184,7 @@ def make_tiny_llada_moe(folder: str | Path, *, n_layers: int = 4, hidden_size: i
         "mask_token_id": special["<|mask|>"], "eos_token_id": special["<|endoftext|>"],
         "pad_token_id": special["<|endoftext|>"], "torch_dtype": "float32",
     }
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "config.json").write_text(json.dumps(_published_ids(cfg) if published_ids else cfg, indent=1))
     _write_weights(folder, cfg, seed, shards, std, stds={"router.weight": router_std, "expert_bias": 0.05,
                                                                "embed.weight": embed_std})
     return str(folder)

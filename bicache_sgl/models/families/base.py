@@ -43,7 +43,9 @@ class Family:
     ``arch == name``) or raises CheckpointError naming the key at fault; ``tensor_names(cfg)``
     is the checkpoint's tensor-name map. ``chat_template``: the template used when the folder's
     tokenizer has none (None: no fallback). ``end_of_turn``: special tokens that end a
-    generation besides config.json's EOS ids (those in the vocabulary)."""
+    generation besides config.json's EOS ids (those in the vocabulary). ``mask_token_id`` /
+    ``eos_token_ids``: the ids the family's published generate hard-codes, used only when
+    config.json, generation_config.json and the tokenizer name none (models/special_ids.py)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -55,6 +57,8 @@ class Family:
     marker_keys: tuple[str, ...] = ()
     chat_template: str | None = None
     end_of_turn: tuple[str, ...] = END_OF_TURN
+    mask_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefix_reuse not in PREFIX_REUSE:

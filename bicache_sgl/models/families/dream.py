@@ -55,4 +55,5 @@ def tensor_names(cfg: ModelConfig) -> TensorMap:
 # Without a generation_config.json "alg" a Dream request runs low_confidence, as before the
 # registry (kept so that no request changes; the checkpoint's own alg wins when it ships one).
 FAMILY = Family(name=NAME, architectures=("DreamModel", "DreamForMaskedLM"), model_types=("dream",), parse=parse,
-                tensor_names=tensor_names, decoding=FamilyDecoding(NAME), marker_keys=("hidden_size",))
+                tensor_names=tensor_names, decoding=FamilyDecoding(NAME), marker_keys=("hidden_size",),
+                mask_token_id=MASK_ID, eos_token_ids=(EOS_ID,))

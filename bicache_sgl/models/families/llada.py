@@ -73,4 +73,5 @@ def tensor_names(cfg: ModelConfig) -> TensorMap:
 
 
 FAMILY = Family(name=NAME, architectures=("LLaDAModelLM", "LLaDAModel"), model_types=("llada",), parse=parse,
-                tensor_names=tensor_names, decoding=FamilyDecoding(NAME), marker_keys=("d_model",))
+                tensor_names=tensor_names, decoding=FamilyDecoding(NAME), marker_keys=("d_model",),
+                mask_token_id=MASK_ID, eos_token_ids=(EOS_ID,))

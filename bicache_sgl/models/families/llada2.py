@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ...config import BLOCK_ALGORITHMS
 from ...decoding.plan import FamilyDecoding
-from ..block_config import LLADA2_ARCHS
+from ..block_config import EOS_ID_DEFAULTS, LLADA2_ARCHS, MASK_ID_DEFAULTS
 from . import _block
 from .base import Family
 
@@ -22,4 +22,4 @@ NAME = "llada2"
 FAMILY = Family(name=NAME, architectures=LLADA2_ARCHS, model_types=("llada2_moe",), parse=_block.parse,
                 tensor_names=_block.tensor_names,
                 decoding=FamilyDecoding(NAME, "low_confidence", BLOCK_ALGORITHMS, algorithm_config=True),
-                prefix_reuse="exact")
+                prefix_reuse="exact", mask_token_id=MASK_ID_DEFAULTS[NAME], eos_token_ids=(EOS_ID_DEFAULTS[NAME],))

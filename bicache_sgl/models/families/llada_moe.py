@@ -15,7 +15,8 @@ router, softmax in float32 (plus the expert bias when enabled), keeps the top-k 
 as they are (the published block fixes ``norm_topk_prob`` to False, whatever config.json says,
 and applies no routed scaling factor), and sums those experts' SwiGLU outputs weighted by them;
 a shared expert, when configured, is added for every token. No logit shift. The mask token
-(<|mask|>, 156895) is not in config.json: the model card's generate passes it. Decoding: LLaDA's
+(<|mask|>) is not in config.json: it is read from the tokenizer, as the dllm pipeline reads it
+(models/special_ids.py; 156895, the model card's generate's, only when nothing names it). Decoding: LLaDA's
 low-confidence remasking on its per-block schedule (the model card's generate).
 
 Tensors: ``model.embed_tokens``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` (+ ``q_norm``,
@@ -48,7 +49,9 @@ from .base import Family, TensorMap, llama_tensor_names
 log = logging.getLogger(__name__)
 
 NAME = "llada_moe"
-MASK_ID = 156895  # <|mask|>: the model card's generate(mask_id=156895); config.json has none
+# the model card's generate(mask_id=156895) and <|endoftext|>: the last fallback when config.json,
+# generation_config.json and the tokenizer (its <|mask|>) name none (models/special_ids.py)
+MASK_ID = 156895  # <|mask|>
 EOS_ID = 156892  # <|endoftext|>
 END_OF_TURN = ("<|role_end|>", "<|endoftext|>")
 # the Instruct model's chat format (<role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>), for a
@@ -175,4 +178,5 @@ def tensor_names(cfg: ModelConfig) -> TensorMap:
 
 FAMILY = Family(name=NAME, architectures=("LLaDAMoEModelLM", "LLaDAMoEModel"), model_types=("llada",), parse=parse,
                 tensor_names=tensor_names, decoding=FamilyDecoding(NAME), marker_keys=("num_experts",),
-                chat_template=CHAT_TEMPLATE, end_of_turn=END_OF_TURN)
+                chat_template=CHAT_TEMPLATE, end_of_turn=END_OF_TURN, mask_token_id=MASK_ID,
+                eos_token_ids=(EOS_ID,))

@@ -9,7 +9,7 @@ block-diffusion engine; prefix reuse is exact. docs/block_diffusion.md.
 from __future__ import annotations
 
 from ...decoding.plan import FamilyDecoding
-from ..block_config import SDAR_ARCHS
+from ..block_config import EOS_ID_DEFAULTS, MASK_ID_DEFAULTS, SDAR_ARCHS
 from . import _block
 from .base import Family
 
@@ -18,4 +18,4 @@ NAME = "sdar"
 FAMILY = Family(name=NAME, architectures=SDAR_ARCHS, model_types=("sdar",), parse=_block.parse,
                 tensor_names=_block.tensor_names,
                 decoding=FamilyDecoding(NAME, "low_confidence", ("low_confidence",), algorithm_config=True),
-                prefix_reuse="exact")
+                prefix_reuse="exact", mask_token_id=MASK_ID_DEFAULTS[NAME], eos_token_ids=(EOS_ID_DEFAULTS[NAME],))
