@@ -144,7 +144,8 @@ def test_input_logprobs_equal_the_reference_scoring_forward(folders, name, start
     assert gen.tokens == plain.tokens
     packed = rec2.meta(11, gen.tokens)["input_token_logprobs"]  # scored in the decode's first forward
     assert [e[1] for e in packed] == [e[1] for e in got]
-    assert all((x[0] is None and y[0] is None) or abs(x[0] - y[0]) < 1e-8 for x, y in zip(packed, got))
+    # fp32 logits: the packed forward's batch shape picks other GEMM kernels on some CPUs (2e-8 seen)
+    assert all((x[0] is None and y[0] is None) or abs(x[0] - y[0]) < TOL for x, y in zip(packed, got))
 
 
 def test_scoring_reuses_the_cached_clean_blocks_exactly(folders):
