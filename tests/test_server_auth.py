@@ -317,3 +317,27 @@ def test_echo_scoring_aborted_by_the_admin_is_an_abort_not_a_500(rt, stream):
         error = resp.json()["error"]
     assert error["code"] == 503 and error["type"] == "ServiceUnavailableError", error
     assert "abort" in error["message"], error
+
+
+@pytest.mark.parametrize("size", [100_000, 900_000])
+def test_large_body_to_an_admin_route_with_a_user_key_gets_its_401(rt, size):
+    """A client with only the API key posting a large body to an admin-only route reads its 401,
+    even when it reads the answer only after sending everything. The server reads the body before
+    answering and closing: a socket closed with unread bytes is reset by the kernel, and a reset
+    drops the answer the client had not read yet (ConnectionResetError under hostile load)."""
+    host, port = rt.url.split("//")[1].rsplit(":", 1)
+    body = json.dumps({"abort_all": True, "pad": "x" * size}).encode()
+    head = (f"POST /abort_request HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(head + body)
+            time.sleep(0.3)  # the answer (and, before the fix, the reset) arrives before we read
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        status, _, rest = got.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 401"), got[:200]
+        assert json.loads(rest.split(b"\r\n\r\n", 1)[1]) == {"error": "Unauthorized"}
+    # the server still serves
+    assert requests.get(rt.url + "/health", timeout=30).status_code == 200

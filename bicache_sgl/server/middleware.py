@@ -54,11 +54,16 @@ class AuthAndCount:
                       given=presented_key(scope.get("headers", [])), api_key=args.api_key,
                       admin_api_key=args.admin_api_key)
 
-    async def _reject(self, scope: dict, send: Send, err: APIError) -> None:
+    async def _reject(self, scope: dict, send: Send, err: APIError, receive: Receive | None = None) -> None:
         # SGLang's bodies for the key checks: {"error": "Unauthorized"} / {"error": "Forbidden"}
         body = dumps({"error": "Forbidden"} if err.status == 403 else error_body(scope.get("path", ""), err))
-        # the request's body is never read here, so the connection cannot carry another request (and a
-        # malformed chunked body would make h11 fail on it): close it after this answer
+        if receive is not None:
+            # read the body the client is still sending (up to the size limit) before answering:
+            # closing a socket with unread bytes makes the kernel reset it, and the client sees a
+            # connection reset instead of this answer
+            await _drain(receive, self.state.args.max_request_bytes)
+        # the connection cannot carry another request (the body may be unread past the limit, and
+        # a malformed chunked body would make h11 fail on it): close it after this answer
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -72,10 +77,11 @@ class AuthAndCount:
         path = scope.get("path", "")
         refused = self._auth_status(scope)
         if refused is not None:
-            await self._reject(scope, send, APIError("Unauthorized" if refused == 401 else "Forbidden", status=refused))
+            await self._reject(scope, send, APIError("Unauthorized" if refused == 401 else "Forbidden", status=refused),
+                               receive)
             return
         if self.state.draining and not path.startswith(OPEN_PATHS):
-            await self._reject(scope, send, APIError("the server is shutting down", status=503))
+            await self._reject(scope, send, APIError("the server is shutting down", status=503), receive)
             return
         limit = self.state.args.max_request_bytes
         if limit:
@@ -121,6 +127,30 @@ def _content_length(scope: dict) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+async def _drain(receive: Receive, limit: int | None, timeout: float = 5.0) -> None:
+    """Read and drop a request's body: until its end, ``limit`` bytes (0 or None: no limit beyond
+    16 MiB), a disconnect, or ``timeout`` seconds (a client that stops sending is not waited for)."""
+    import asyncio
+
+    cap = limit or 16 * 1024 * 1024
+    seen = 0
+
+    async def loop() -> None:
+        nonlocal seen
+        while seen <= cap:
+            message = await receive()
+            if message.get("type") != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(loop(), timeout)
+    except (TimeoutError, asyncio.TimeoutError):
+        pass
 
 
 def _limited_receive(receive: Receive, limit: int) -> Receive:
