@@ -191,6 +191,7 @@ class KVPool:
         self.retired_rows = 0
         self.store = KVStore.allocate(row_capacity + request_row_capacity, cfg.n_kv_heads, cfg.head_dim, dtype,
                                       device, prefix_rows=row_capacity, hidden=cfg.hidden_size)
+        self.store.prefault_prefix()  # CPU: page faults at startup, not in the captures (store.prefault)
 
     @property
     def table(self) -> np.ndarray:

@@ -9,11 +9,44 @@ the model shape it needs is the structural ``KVShape`` (``models.config.ModelCon
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, contents unchanged
+_PAGE = 4096
+
+
+def _populate_write(t: torch.Tensor) -> bool:
+    """Ask the kernel to back ``t``'s pages now (``madvise(MADV_POPULATE_WRITE)``); False where it
+    cannot (not Linux, an older kernel): the caller then writes the pages itself."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    start = t.data_ptr() & ~(_PAGE - 1)  # the page holding the first byte: populating keeps contents
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
+
+
+def prefault(t: torch.Tensor) -> None:
+    """Back a CPU tensor's memory with pages now, not at its first write.
+
+    ``torch.empty`` on the CPU maps pages lazily: the first write to each 4 KiB page traps into the
+    kernel, which zeroes it. For the prefix rows that write is a capture inside a request's forward,
+    so a fresh server's first fill of the pool paid about 0.4-0.8 ms per MiB stored on the serving
+    path (issue 38: 20-40% of a forward that stores every prompt; docs/performance.md). Paid once at
+    startup instead, as a CUDA allocation is. Contents stay undefined (populate) or become zero."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    if not _populate_write(t):
+        t.zero_()
 
 
 class KVShape(Protocol):
@@ -43,6 +76,14 @@ class KVStore:
         # Uninitialised on purpose: a row is always written by a forward before any attention reads it.
         k = torch.empty((n_rows, n_kv_heads, head_dim), dtype=dtype, device=device)
         return cls(k, torch.empty_like(k), torch.empty((prefix_rows, hidden), dtype=dtype, device=device))
+
+    def prefault_prefix(self) -> None:
+        """Back the prefix rows (``[0, len(h))`` of k, v and h) with memory now (``prefault``): they
+        are written by captures, on the serving path. The private rows are left lazy: cache off
+        and bicache use them alike, and freed rows are handed out again first."""
+        n = int(self.h.shape[0])
+        for t in (self.k[:n], self.v[:n], self.h):
+            prefault(t)
 
     @classmethod
     def for_sequences(cls, cfg: KVShape, lengths: list[int], dtype: torch.dtype,
