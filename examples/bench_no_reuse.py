@@ -261,7 +261,7 @@ def server(args) -> None:
                     times[m].append((run(m, prompts, c), float("nan")))
             end = {m: counters(m) for m in MODES}
 
-            def delta(m: str, key: str) -> int:
+            def delta(m: str, key: str, end=end, base=base) -> int:
                 return int(end[m].get(key, 0)) - int(base[m].get(key, 0))
 
             print(f"\nserver (Runtime, default flags + {flags}), concurrency {c}, {args.requests} distinct prompts "
