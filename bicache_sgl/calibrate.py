@@ -317,19 +317,22 @@ def calibrate(args: argparse.Namespace) -> dict:
     t0 = time.time()
 
     def measure(it: Item) -> None:
+        # the runs first: an item whose shared prefix the runtime would not reuse (span cut at 0)
+        # raises NothingReused there and records nothing (Driver.run skips it)
+        agr = driver.agreement(it, sampling)[0] if agreement else None
+        outs_by_mode = {mode: driver.agreement(it, {**sampling, "ignore_eos": mode == "ignore_eos"})[1]
+                        for mode in (args.gen_modes if exact else ())}
         sk, sv, sh = driver.similarity(it)
         tk.add(it, sk)
         tv.add(it, sv)
         th.add(it, sh)
         per_r[it.task.bucket].append(it.task.r)
-        if agreement:
-            ta.add(it, driver.agreement(it, sampling)[0])
-        if exact:
-            for mode in args.gen_modes:
-                _, outs = driver.agreement(it, {**sampling, "ignore_eos": mode == "ignore_eos"})
-                f = (first_flip(outs), L)
-                flips[it.task.bucket].append(f)
-                flips_by_mode[mode][it.task.bucket].append(f)
+        if agr is not None:
+            ta.add(it, agr)
+        for mode, outs in outs_by_mode.items():
+            f = (first_flip(outs), L)
+            flips[it.task.bucket].append(f)
+            flips_by_mode[mode][it.task.bucket].append(f)
 
     driver.run(f"calibrate ({args.criterion})", items, measure, bar=not args.no_progress,
                postfix=lambda it: f"sample {it.task.sample + 1}/{len(samples)} r={fractions[it.task.bucket]:g}%")

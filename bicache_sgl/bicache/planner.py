@@ -361,4 +361,20 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
             last = bisect_left(runs, end)
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
     return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len,
-                     store_ranges(engine_policy, facts, match, start, end, depth), facts.mode)
+                     store_ranges(engine_policy, facts, match, start, _node_end(match, end), depth), facts.mode)
+
+
+def _node_end(match: MatchFacts, end: int) -> int:
+    """The end of the node holding position ``end - 1`` (``end`` itself when 0 or at a node's end).
+
+    A span cut can end the reused span inside a node; what the request stores must still give the
+    node's tokens one depth (a node holds rows exactly for layers < its depth), so the store plan
+    treats the rest of that node like the span: the same layers [node depth, b(.)) for every token
+    of it. The positions after the cut are computed in full by this request (they are not reused),
+    so every layer of them is available to store."""
+    if end <= 0:
+        return end
+    for e0, _ in match.segments:
+        if e0 >= end:
+            return e0
+    return end
