@@ -129,7 +129,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # EngineConfig fields that are flags of this CLI too (threshold as --decode-threshold: --threshold
 # is the K/V cosine here)
 ENGINE_FLAGS = ("model_path", "device", "dtype", "num_threads", "block_length", "threshold", "cache_mode",
-                "steps_per_block")
+                "steps_per_block", "bicache_span_cut")
 # where the measurement uses a setting differently from the server, the help says how
 ENGINE_HELPS = {
     "model_path": "Checkpoint folder or Hugging Face id (default: the bundled model).",
@@ -138,6 +138,8 @@ ENGINE_HELPS = {
     "cache_mode": "agreement: in-request cache of the decoding runs (none | prefix | dual).",
     "steps_per_block": "agreement: denoising steps per block (default: one per token).",
     "num_threads": "torch CPU threads (default: torch's).",
+    "bicache_span_cut": "agreement / exact: where the measured reuse ends, as the server will serve it (the profile "
+                        "records it; docs/prefix_cache.md).",
 }
 
 
@@ -146,7 +148,8 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     raises ValueError naming the field."""
     DecodeDefaults(block_length=args.block_length, threshold=args.decode_threshold, cache_mode=args.cache_mode,
                    steps_per_block=args.steps_per_block)
-    EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads)
+    EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads,
+                 bicache_span_cut=args.bicache_span_cut)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,7 +259,7 @@ def _driver(args: argparse.Namespace, model_path: str, items: Sequence[Item]) ->
 
     cfg = build_config(model_path=model_path, device=args.device, dtype=args.dtype, block_length=args.block_length,
                        threshold=args.decode_threshold or None, cache_mode=args.cache_mode,
-                       steps_per_block=args.steps_per_block)
+                       steps_per_block=args.steps_per_block, bicache_span_cut=args.bicache_span_cut)
     loaded = load(cfg)
     stack = None
     if args.criterion in ("agreement", CRITERION_EXACT):
@@ -314,19 +317,22 @@ def calibrate(args: argparse.Namespace) -> dict:
     t0 = time.time()
 
     def measure(it: Item) -> None:
+        # the runs first: an item whose shared prefix the runtime would not reuse (span cut at 0)
+        # raises NothingReused there and records nothing (Driver.run skips it)
+        agr = driver.agreement(it, sampling)[0] if agreement else None
+        outs_by_mode = {mode: driver.agreement(it, {**sampling, "ignore_eos": mode == "ignore_eos"})[1]
+                        for mode in (args.gen_modes if exact else ())}
         sk, sv, sh = driver.similarity(it)
         tk.add(it, sk)
         tv.add(it, sv)
         th.add(it, sh)
         per_r[it.task.bucket].append(it.task.r)
-        if agreement:
-            ta.add(it, driver.agreement(it, sampling)[0])
-        if exact:
-            for mode in args.gen_modes:
-                _, outs = driver.agreement(it, {**sampling, "ignore_eos": mode == "ignore_eos"})
-                f = (first_flip(outs), L)
-                flips[it.task.bucket].append(f)
-                flips_by_mode[mode][it.task.bucket].append(f)
+        if agr is not None:
+            ta.add(it, agr)
+        for mode, outs in outs_by_mode.items():
+            f = (first_flip(outs), L)
+            flips[it.task.bucket].append(f)
+            flips_by_mode[mode][it.task.bucket].append(f)
 
     driver.run(f"calibrate ({args.criterion})", items, measure, bar=not args.no_progress,
                postfix=lambda it: f"sample {it.task.sample + 1}/{len(samples)} r={fractions[it.task.bucket]:g}%")
@@ -403,6 +409,7 @@ def calibrate(args: argparse.Namespace) -> dict:
         "similarity_h": [rnd(r) for r in sim_h],
         "agreement": None if agree is None else [rnd(r) for r in agree],
         "cached_context": args.cached_context,
+        "span_cut": args.bicache_span_cut,
         "cached_state": CACHED_STATE[args.cached_context],
         "data": str(args.data),
         "num_samples": len(samples),

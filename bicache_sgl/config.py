@@ -496,6 +496,11 @@ class EngineConfig:
              "calibration saw no answer differ from cache off; e.g. 0.02 = where the 95% upper bound on the rate "
              "of changed answers is at most 2% (the table is re-derived from an exact profile's per-bucket counts; "
              "docs/calibration.md).")
+    bicache_span_cut: str = option(
+        "segment", "Where a reused prefix span ends: 'segment' (default) at the last segment boundary (an end-of-turn "
+                   "token, a blank line) at or before the point where the prompt leaves the one the rows were "
+                   "captured in, so a divergent turn's opening tokens are recomputed; 'none' up to that point "
+                   "(the rule before issue 38; for comparisons). docs/prefix_cache.md.", choices=("segment", "none"))
     bicache_audit_rate: float = option(
         0.02, "Fraction of prefix-reusing requests whose first forward is also run without reuse; a profile "
               "bucket whose reuse disagrees is lowered (0 turns the audit off).")
@@ -548,6 +553,8 @@ class EngineConfig:
               f"calibration_budget_s must be >= 0, got {self.calibration_budget_s!r}")
         check(_is_num(self.bicache_tolerance) and 0 <= self.bicache_tolerance < 1,
               f"bicache_tolerance must be in [0, 1), got {self.bicache_tolerance!r}")
+        check(self.bicache_span_cut in ("segment", "none"),
+              f"bicache_span_cut must be 'segment' or 'none', got {self.bicache_span_cut!r}")
         check(_is_num(self.bicache_audit_rate) and 0 <= self.bicache_audit_rate <= 1,
               f"bicache_audit_rate must be in [0, 1], got {self.bicache_audit_rate!r}")
         check(_is_num(self.bicache_audit_min_agreement) and 0 <= self.bicache_audit_min_agreement <= 1,

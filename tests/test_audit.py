@@ -19,7 +19,9 @@ from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 K, L = 2, 6
 G = 8
 SP = {"temperature": 0, "max_new_tokens": G, "block_length": G}
-PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2
+# ends with a blank line: a segment boundary, so the span cut (docs/prefix_cache.md) leaves the
+# whole prefix reusable and these tests exercise the depth rule on it
+PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2 + "\n\n"
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,10 @@ def _one_thread():
 def prompts_file(tmp_path):
     rng = random.Random(0)
     p = tmp_path / "prompts.jsonl"
-    lines = [json.dumps({"prompt": _text(rng, 14)}), "", json.dumps({"text": _text(rng, 18)})]
+    # paragraphs of two words: segment boundaries every few tokens, so the runtime's span cut
+    # (docs/prefix_cache.md) leaves a reusable part wherever S is cut
+    lines = [json.dumps({"prompt": "\n\n".join(_text(rng, 2) for _ in range(7))}), "",
+             json.dumps({"text": "\n\n".join(_text(rng, 2) for _ in range(9))})]
     p.write_text("\n".join(lines) + "\n")
     return p
 
@@ -51,7 +54,7 @@ def pairs_file(tmp_path):
     the fractions are reached through the generation region (up to --gen-length)."""
     rng = random.Random(1)
     p = tmp_path / "pairs.jsonl"
-    p.write_text("".join(json.dumps({"prefix": _text(rng, 12), "suffix": " " + _text(rng, 2) + "?"}) + "\n"
+    p.write_text("".join(json.dumps({"prefix": _text(rng, 12) + "\n\n", "suffix": _text(rng, 2) + "?"}) + "\n"
                          for _ in range(2)))
     return p
 
@@ -420,18 +423,19 @@ def test_planned_pairs_keep_the_whole_question():
 
 
 @needs_context_model
-def test_agreement_sees_the_context_model_failure(tmp_path):
-    """Regression: on the trained context model, reuse beyond depth 1 changes the answer, but
-    calibration on cut questions claimed depth 8. With whole questions the agreement criterion finds
-    depth <= 1 and sees depth L disagree. (The shipped profile, criterion exact on user-shaped data,
-    is stricter still: depth 0, since depth 1 changed some answers too.)"""
+def test_agreement_sees_the_context_model_failure_without_the_span_cut(tmp_path):
+    """Regression: on the trained context model, reuse beyond depth 1 of the span up to where the
+    prompts diverge (``--bicache-span-cut none``: the last "Question: " included) changes the
+    answer, but calibration on cut questions claimed depth 8. With whole questions the agreement
+    criterion finds depth <= 1 and sees depth L disagree. (The shipped profile, criterion exact on
+    user-shaped data with the span cut, pools to depth 0.)"""
     f = tmp_path / "context_pairs.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in _context_pairs()))
     out = tmp_path / "profile.json"
     # 18 samples: the 2-4-shot records; at r = 50 % the 4-shot ones are measured (G = 96, r = 0.493)
     assert cli.main(["--model-path", str(CONTEXT_MODEL), "--data", str(f), "--out", str(out), "--plot", "none",
                      "--criterion", "agreement", "--fractions", "50", "--gen-length", "320", "--block-length", "32",
-                     "--max-samples", "18", "--no-progress"]) == 0
+                     "--max-samples", "18", "--no-progress", "--bicache-span-cut", "none"]) == 0
     d = json.loads(out.read_text())
     prof = BicacheProfile.load(out)
     assert d["samples_per_fraction"][0] >= 4 and 0.45 <= d["mean_prefix_fraction"][0] <= 0.5

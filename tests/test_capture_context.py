@@ -71,8 +71,9 @@ def test_head_captured_by_another_family_is_not_reused_at_the_family_depth(engin
     assert got["text"] == want["text"]
     meta = got["meta_info"]
     assert meta["cached_tokens"] == 125 and meta["bicache_depth"] == 8  # the common case stays fast ...
-    # ... and the head is reused only because B's first request re-captured it
-    assert meta["reused_prefix_start"] == 0 and meta["reused_prefix_tokens"] == 125
+    # ... from the head, which B's first request re-captured, up to the blank line before the last
+    # "Question: ": the span cut (its opening tokens were captured beside B's first question)
+    assert meta["reused_prefix_start"] == 0 and meta["reused_prefix_tokens"] == 125 - len("Question: ")
     assert before["prefix_cache_recaptures_total"] >= 1 and before["prefix_cache_recaptured_tokens_total"] >= 10
     on.check_integrity()
 
@@ -120,9 +121,10 @@ def test_prompt_captured_beside_a_longer_generation_is_not_reused_at_full_depth(
 # a short head captured beside another digit, reused at the depth of the whole match, answers that
 # other digit.
 PK, PL = 2, 6
-# two system heads of the same length (so the digit is at one position), sharing "System: "
-HEADS = ["System: answer with the digit that the question holds. Be brief and exact. ",
-         "System: the digit in the question is the answer; write only that, exactly. "]
+# two system heads of the same length (so the digit is at one position), sharing "System: ", each
+# ending with a blank line (a segment boundary: the span cut leaves the head reusable)
+HEADS = ["System: answer with the digit that the question holds. Be brief and exact.\n\n",
+         "System: the digit in the question is the answer; write only that, exactly.\n\n"]
 assert len(HEADS[0]) == len(HEADS[1])
 TAILS = ["which digit does this question hold, tell me please now", "which digit does this question hold? Say it",
          "what is the digit here", "what is the digit in this very question, if you know it"]
@@ -236,7 +238,7 @@ def test_a_too_deep_first_run_profile_answers_as_cache_off_from_the_first_reques
     try:
         depths = []
         for i in range(14):
-            prompt = HEADS[0] * 2 + f"Question {i % 10}: which digit?"
+            prompt = HEADS[0] * 2 + f"Question {i % 10}: which digit?"  # the heads end at a boundary
             out = eng.generate(prompt, SP)
             assert out["text"] == expected_answer(prompt) * G, (i, out["meta_info"])
             depths.append(out["meta_info"]["bicache_depth"])

@@ -35,6 +35,7 @@ SERVER_FLAGS: dict[str, tuple] = {
     "--bicache-audit-rate": ("bicache_audit_rate", 0.02, None),
     "--bicache-profile": ("bicache_profile", None, None),
     "--bicache-tolerance": ("bicache_tolerance", 0.0, None),
+    "--bicache-span-cut": ("bicache_span_cut", "segment", ("segment", "none")),
     "--block-length": ("block_length", 32, None),
     "--cache-mode": ("cache_mode", "dual", ("none", "prefix", "dual")),
     "--cache-output": ("cache_output", False, None),

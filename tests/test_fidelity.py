@@ -38,7 +38,9 @@ L_PLANTED = 6
 G = 8  # generation positions (one block)
 SP = {"temperature": 0, "max_new_tokens": G, "block_length": G}
 # no digits in the shared prefix; one digit per question
-PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2
+# ends with a blank line: a segment boundary, so the span cut (docs/prefix_cache.md) leaves the
+# whole prefix reusable and these tests exercise the depth rule on it
+PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2 + "\n\n"
 Q_A = "Question 3: which digit?"
 Q_B = "Question 7: which one is it?"
 
@@ -171,7 +173,9 @@ def test_fixed_depth_is_exact_up_to_k_and_breaks_beyond(planted, off_outputs, n)
     m = rb["meta_info"]
     assert m["bicache_depth"] == n
     if n > 0:
-        assert m["reused_prefix_tokens"] == m["cached_tokens"] >= len(PREFIX) - 1
+        # the match runs into "Question " (both questions open with it); the span ends at the prefix's
+        # blank line, before the segment the two questions decide
+        assert m["reused_prefix_tokens"] == len(PREFIX) and m["cached_tokens"] >= len(PREFIX)
     assert ra["output_ids"] == off_outputs[0]["output_ids"]
     if n <= K:
         assert rb["output_ids"] == off_outputs[1]["output_ids"]
@@ -208,7 +212,7 @@ def _calibration_data(path: Path) -> str:
     generation region) at that bucket's r: |prefix| / (|prefix + suffix| + CAL_GEN) = 60 / N with
     N = ceil(60 / r), i.e. at r or just below (the byte tokenizer: one token per character)."""
     filler = " is the question: tell me which digit it is, please, in as few characters as you can" * 7
-    prefix = PREFIX[:60]
+    prefix = PREFIX[:58] + "\n\n"  # 60 characters ending at a segment boundary (the span cut's)
     with path.open("w") as f:
         for r in FRACTIONS:
             n = math.ceil(len(prefix) / (r / 100) - 1e-9)

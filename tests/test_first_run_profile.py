@@ -20,7 +20,8 @@ from bicache_sgl.testing.planted import expected_answer, make_planted_llada
 from bicache_sgl.training import task
 
 K = 2  # the planted model's safe depth
-PLANTED_PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2
+# ends with a blank line, a segment boundary: the span cut (docs/prefix_cache.md) leaves it reusable
+PLANTED_PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2 + "\n\n"
 PLANTED_SP = {"temperature": 0, "max_new_tokens": 8, "block_length": 8}
 
 
@@ -211,7 +212,8 @@ def test_calibration_data_file(planted, tmp_path):
     data = tmp_path / "prompts.jsonl"
     words = "we read a long shared system prompt and then answer one short question about it " * 2
     # 12 prompts: enough for the first-run bound (0 disagreements in 12: 22% <= auto.AUTO_MAX_BOUND)
-    data.write_text("".join(json.dumps({"prompt": f"{words}Question: which digit? {d}"}) + "\n"
+    # (a blank line after the shared part: the runtime reuses up to a segment boundary)
+    data.write_text("".join(json.dumps({"prompt": f"{words}\n\nQuestion: which digit? {d}"}) + "\n"
                             for d in "385172946038"))
     eng = Engine(planted, calibration_data=str(data), calibration_budget_s=60)
     eng.shutdown()

@@ -68,7 +68,10 @@ def test_bundled_profiles_table_by_mode_is_what_their_counts_give():
     per-mode tables are the exact rule applied to the stored counts (nothing hand-edited)."""
     rederive.main(["--check", SHIPPED, CONTEXT])
     ctx = BicacheProfile.load(CONTEXT)
-    assert ctx.modes == (MODE_STOP, MODE_IGNORE_EOS) and ctx.max_depth == 0  # context model: no reuse
+    # context model, calibrated with the span cut (issue 38): stop requests at r >= 80% reuse 3
+    # layers, a forced answer past EOS nothing
+    assert ctx.modes == (MODE_STOP, MODE_IGNORE_EOS) and ctx.max_depth == 3
+    assert ctx.table_for(MODE_STOP)[-1] == (80.0, 3) and max(b for _, b in ctx.table_for(MODE_IGNORE_EOS)) == 0
 
 
 def test_per_mode_tables_are_derived_from_counts_when_the_file_has_none(tmp_path):

@@ -26,8 +26,8 @@ def test_checkpoint_profile_and_recipe():
     assert cfg["architectures"] == ["LLaDAModelLM"]
     prof = json.loads((ASSET / "bicache_profile.json").read_text())
     assert prof["criterion"] == "exact" and prof["n_layers"] == cfg["n_layers"] and prof["tolerance"] == 0.0
-    # every bucket's depth has its reason in the counts: no sample differed up to it (depth 1 already
-    # changed answers of this model in calibration, so the honest table is 0 everywhere)
+    # every bucket's depth has its reason in the counts: no sample differed up to it (pooled over the
+    # generation modes, depth 1 already changed answers of this model in every bucket: table 0)
     for bk in prof["buckets"]:
         if bk is not None and bk["depth"] is not None:
             assert bk["disagreements_by_depth"][bk["depth"]] == 0
@@ -43,8 +43,10 @@ def results():
     from bicache_sgl.training.evaluate import make_engine, score_modes
 
     items = task.heldout_items(NUM_QUESTIONS, SHOTS, seed=0, kind="group")
-    return score_modes(lambda mode: make_engine(str(ASSET), prefix_cache=mode, device="cpu"), items,
-                       ["off", "naive", "bicache"], gen_length=G)
+    def engine(mode):  # "naive-uncut": every layer, the span up to the divergence (before issue 38)
+        return make_engine(str(ASSET), prefix_cache=mode.split("-")[0], device="cpu",
+                           bicache_span_cut="none" if mode.endswith("-uncut") else "segment")
+    return score_modes(engine, items, ["off", "naive-uncut", "naive", "bicache"], gen_length=G)
 
 
 @needs_model
@@ -53,11 +55,22 @@ def test_off_answers_the_task(results):
 
 
 @needs_model
-def test_naive_reuse_breaks_it(results):
-    off, naive = results["off"], results["naive"]
+def test_naive_reuse_breaks_it_without_the_span_cut(results):
+    """Every layer, up to where the prompts diverge: the last "Question: " captured beside another
+    question is reused, and answers change."""
+    off, naive = results["off"], results["naive-uncut"]
     assert naive["mean_depth"] > 0 and naive["mean_cached_tokens"] > 0  # the prefix really was reused
     assert naive["accuracy"] <= off["accuracy"] - 0.10, (naive["accuracy"], off["accuracy"])
     assert naive["agreement"] < 0.8, naive["agreement"]
+
+
+@needs_model
+def test_with_the_span_cut_every_layer_keeps_the_answers(results):
+    """The same requests, every layer, the span ending at the blank line before the last turn
+    (docs/prefix_cache.md "Where the reused span ends"): reused, and answered as cache off."""
+    naive = results["naive"]
+    assert naive["mean_depth"] > 0
+    assert naive["output_ids"] == results["off"]["output_ids"]
 
 
 @needs_model

@@ -46,13 +46,14 @@ from ..flags import add_flags
 DEFAULT_RS = (0.2, 0.4, 0.6, 0.8)
 DEFAULT_FIXED = (1, 2, 4)
 
-# planted model: prefixes without digits, one digit per question (docs/fidelity.md)
+# planted model: prefixes without digits, one digit per question (docs/fidelity.md); each prefix ends
+# with a blank line, a segment boundary, so the span cut leaves it reusable (docs/prefix_cache.md)
 PLANTED_PREFIXES = (
-    "System: answer with the digit that the question holds. Be brief and exact. ",
-    "You are a careful assistant. Read the question and repeat its digit, nothing else. ",
-    "Instructions: find the number in the question below and write it as the answer. ",
-    "Note: every question names one digit; the answer is that digit, written alone. ",
-    "Task description: output the single digit you see in the question. Keep it short. ",
+    "System: answer with the digit that the question holds. Be brief and exact.\n\n",
+    "You are a careful assistant. Read the question and repeat its digit, nothing else.\n\n",
+    "Instructions: find the number in the question below and write it as the answer.\n\n",
+    "Note: every question names one digit; the answer is that digit, written alone.\n\n",
+    "Task description: output the single digit you see in the question. Keep it short.\n\n",
 )
 PLANTED_QUESTIONS = ("Question {d}: which digit?", "Question {d}: what is it?", "Question {d}: tell me.")
 

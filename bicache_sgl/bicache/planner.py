@@ -16,7 +16,12 @@ same prompt captured beside 256 generation positions is not reused at full depth
 
 So the planner works per token: ``usable[t]`` is the number of leading layers whose rows exist AND
 pass the rule for their own capture context (upgrades put deeper layers of a token in another
-context, so each layer is checked on its own). It then reuses the one contiguous span
+context, so each layer is checked on its own) AND lie before that context's *span cut*
+(:func:`span_cuts`): the last segment boundary of the prompt (bicache/segments.py: after an
+end-of-turn token or a blank line) at or before LCP(prompt_C, prompt_B), so the opening tokens of
+the segment where the two prompts diverge ("Question: " before two different questions), whose
+state was captured beside the other continuation, are never reused; a capture whose whole sequence
+is shared (prefix-only, an output capture) is reused up to its end. It then reuses the one contiguous span
 [start, end) of matched positions and depth d <= min(usable) over it that maximise the skipped work
 (end - start) x d: the reused positions need not start at 0, since recomputing a short head costs
 little. Everything here is numpy bookkeeping, tested without a model.
@@ -31,7 +36,7 @@ mode (``DepthPolicy.store_depth``), since the reader's mode is checked when it r
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
@@ -58,6 +63,9 @@ class RequestFacts:
     exact: bool = False  # likelihood scoring / prefill-only: reuse nothing
     mode: str = MODE_IGNORE_EOS  # generation mode (policy.request_mode): the profile table it reads
     probe: bool = False  # drawn by the online audit to probe deeper depths (then always audited)
+    # segment boundaries of the prompt (bicache/segments.py ``SegmentBoundaries.positions``: sorted
+    # positions p where [0, p) holds whole segments); None: the span is not cut (--bicache-span-cut none)
+    boundaries: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,19 +153,40 @@ def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPoli
     return engine_policy.probing() if facts.probe else engine_policy
 
 
-def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int,
-                  mode: str = MODE_IGNORE_EOS) -> tuple[np.ndarray, dict[int, float]]:
+def span_cuts(match: MatchFacts, boundaries: Sequence[int] | None) -> dict[int, int] | None:
+    """Per capture context c of the match, the first position its rows may NOT serve (the span cut,
+    docs/prefix_cache.md "Where the reused span ends"): the last segment boundary at or before
+    LCP(prompt_c, prompt) (0 when there is none), or the whole LCP when the capture's sequence is
+    all shared (``lcp >= N_c``: a prefix-only or output capture the request extends, whose rows were
+    computed beside nothing else). ``boundaries``: the request's sorted boundary positions; None:
+    no cut (every context's rows serve up to the match's end)."""
+    if boundaries is None:
+        return None
+    out: dict[int, int] = {}
+    for c, (lcp, n_c) in match.shared.items():
+        if lcp >= n_c:
+            out[c] = lcp
+        else:
+            i = bisect_right(boundaries, lcp)
+            out[c] = boundaries[i - 1] if i else 0
+    return out
+
+
+def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str = MODE_IGNORE_EOS,
+                  cuts: Mapping[int, int] | None = None) -> tuple[np.ndarray, dict[int, float]]:
     """Per matched token, the leading layers that exist and pass the capture-context rule under
-    ``policy`` for a request of generation ``mode``; and the shared fraction of each capture context."""
-    bounds, per_run, r_of = usable_runs(policy, match, seq_len, mode)
+    ``policy`` for a request of generation ``mode`` (and lie before their context's cut, ``cuts``:
+    :func:`span_cuts`, None: no cut); and the shared fraction of each capture context."""
+    bounds, per_run, r_of = usable_runs(policy, match, seq_len, mode, cuts)
     return np.repeat(per_run, np.diff(bounds)), r_of
 
 
-def usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int,
-                mode: str = MODE_IGNORE_EOS) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
+def usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str = MODE_IGNORE_EOS,
+                cuts: Mapping[int, int] | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, float]]:
     """:func:`usable_depths` per run: (bounds [runs + 1], usable depth per run [runs], the shared
-    fraction of each capture context); run i is tokens [bounds[i], bounds[i + 1])."""
-    bounds, per_run, r_of = _usable_runs(policy, match, seq_len, mode)
+    fraction of each capture context); run i is tokens [bounds[i], bounds[i + 1]). A run that a
+    context's cut falls inside is split there."""
+    bounds, per_run, r_of = _usable_runs(policy, match, seq_len, mode, cuts)
     return np.asarray(bounds, dtype=np.int64), np.asarray(per_run, dtype=np.int64), r_of
 
 
@@ -166,7 +195,20 @@ def usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int,
 _SMALL_RUN_CELLS = 2048
 
 
-def _usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str = MODE_IGNORE_EOS
+def _split_at_cuts(starts: np.ndarray, m: int, cuts: Mapping[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(run starts with every cut inside (0, m) added, index of the original run of each): a run is
+    split where a context's cut falls inside it, so every token of a run is on one side of every cut."""
+    if not cuts:
+        return starts, np.arange(len(starts), dtype=np.int64)
+    inner = [x for x in set(cuts.values()) if 0 < x < m]
+    if not inner:
+        return starts, np.arange(len(starts), dtype=np.int64)
+    split = np.union1d(starts, np.asarray(inner, dtype=np.int64))
+    return split, np.searchsorted(starts, split, side="right") - 1
+
+
+def _usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str = MODE_IGNORE_EOS,
+                 cuts: Mapping[int, int] | None = None
                  ) -> tuple[list[int] | np.ndarray, list[int] | np.ndarray, dict[int, float]]:
     """:func:`usable_runs` as lists for a few runs, arrays otherwise (the planner's own path)."""
     m, L = match.length, match.ctx.shape[1]
@@ -176,21 +218,29 @@ def _usable_runs(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str
     # Tokens captured together carry the same (ctx, held) row, so the match is a few runs of equal
     # rows: judge one row per run ([runs, L], not [m, L]) and repeat the answer over the run.
     starts, ctx_r, held_r = match.run_rows()
+    starts, of_run = _split_at_cuts(starts, m, cuts)
+    if len(of_run) != len(ctx_r):  # split runs read their original run's row
+        ctx_r, held_r = ctx_r[of_run], held_r[of_run]
+    no_cut = m  # a context without a cut serves every matched position
     if ctx_r.size <= _SMALL_RUN_CELLS:
         lim_of = {c: policy.target_depth(r, mode) for c, r in r_of.items()}  # no entry: no row (-1)
+        cut_of = cuts if cuts is not None else {}
         per_run = []
-        for crow, hrow in zip(ctx_r.tolist(), held_r.tolist()):
-            d = 0  # leading layers whose row exists and whose context allows layer d
+        for s, crow, hrow in zip(starts.tolist(), ctx_r.tolist(), held_r.tolist()):
+            d = 0  # leading layers whose row exists, whose context allows layer d and serves position s
             for c, h in zip(crow, hrow):
-                if not h or lim_of.get(c, 0) <= d:
+                if not h or lim_of.get(c, 0) <= d or s >= cut_of.get(c, no_cut):
                     break
                 d += 1
             per_run.append(d)
         return [*starts.tolist(), m], per_run, r_of
-    # the depth each row's context allows (0 where there is no row)
+    # the depth each row's context allows (0 where there is no row, or the run is past its cut)
     lim = np.zeros(ctx_r.shape, dtype=np.int16)
     for c, r in r_of.items():
-        lim[ctx_r == c] = policy.target_depth(r, mode)
+        here = ctx_r == c
+        if cuts is not None:
+            here &= (starts < cuts.get(c, no_cut))[:, None]
+        lim[here] = policy.target_depth(r, mode)
     ok = (lim > np.arange(L, dtype=np.int16)[None, :]) & held_r
     per_run = np.where(ok.all(axis=1), L, ok.argmin(axis=1)).astype(np.int64)
     return np.concatenate([starts, [m]]).astype(np.int64), per_run, r_of
@@ -298,12 +348,18 @@ def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFa
     # runs of matched tokens to re-capture: held rows that served less than a repeat would get
     recap: list[tuple[int, int]] = []
     want = engine_policy.target_depth(P / N, facts.mode) if P > 0 else 0
+    # a repeat of this request could be served this request's rows only before its own span cut
+    # (the last boundary of its prompt): past it, re-capturing serves nobody like it
+    limit = match.length
+    if facts.boundaries is not None:
+        i = bisect_right(facts.boundaries, facts.prompt_len)
+        limit = min(limit, facts.boundaries[i - 1] if i else 0)
     if served is not None and want > 0 and k_full > 0:
         bounds, per_run = served
         run0, _, held_r = match.run_rows()  # served runs may split these: find each one's own
         for i, u in enumerate(per_run):
-            s, e = int(bounds[i]), int(bounds[i + 1])
-            if u < want and held_r[bisect_right(run0, s) - 1, 0]:
+            s, e = int(bounds[i]), min(int(bounds[i + 1]), limit)
+            if s < e and u < want and held_r[bisect_right(run0, s) - 1, 0]:
                 for a, z in ((s, min(e, start)), (max(s, end), e)) if end > start else ((s, e),):
                     if a < z:
                         if recap and recap[-1][1] == a:
@@ -338,18 +394,20 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     served = None  # (run bounds, usable depth per run) under the engine's policy: re-capture's test
     probe_r = None
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
-        bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len, facts.mode)
+        cuts = span_cuts(match, facts.boundaries)
+        bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len, facts.mode, cuts)
         if policy is engine_policy:
             served = (bounds, usable)
         start, end, depth = best_span_runs(bounds, usable)
         if depth > 0:
             # the binding fraction: the least-shared context among the rows reused and the layer
             # right below them (the one that stopped the depth, when a context did)
-            # rows are equal within a run, so the runs' first rows hold every context of the span;
-            # bounds[:-1] are the runs' first tokens
-            _, ctx_r, _ = match.run_rows()
-            first = bisect_right(bounds, start, 0, len(bounds) - 1) - 1
-            last = bisect_left(bounds, end, 0, len(bounds) - 1)
+            # rows are equal within a run, so the runs' first rows hold every context of the span
+            # (the match's own runs: ``bounds`` may hold extra splits at the span cuts)
+            runs, ctx_r, _ = match.run_rows()
+            runs = runs.tolist()
+            first = bisect_right(runs, start) - 1
+            last = bisect_left(runs, end)
             r_bind = min(r_of[c] for c in contexts_in(ctx_r[first:last, :depth + 1]))
             if policy is not engine_policy and facts.probe:  # rows read beyond their depth in force?
                 block = ctx_r[first:last, :depth]
@@ -357,6 +415,23 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
                           if (block[:, engine_policy.target_depth(r_of[c], facts.mode):] == c).any()]
                 probe_r = min(beyond) if beyond else None
     if served is None and match.length > 0 and facts.seq_len > 0 and engine_policy.max_node_depth > 0:
-        served = _usable_runs(engine_policy, match, facts.seq_len, facts.mode)[:2]
-    store, recapture = store_ranges(engine_policy, facts, match, start, end, depth, served)
+        served = _usable_runs(engine_policy, match, facts.seq_len, facts.mode,
+                              span_cuts(match, facts.boundaries))[:2]
+    store, recapture = store_ranges(engine_policy, facts, match, start, _node_end(match, end), depth, served)
     return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len, store, facts.mode, recapture, probe_r)
+
+
+def _node_end(match: MatchFacts, end: int) -> int:
+    """The end of the node holding position ``end - 1`` (``end`` itself when 0 or at a node's end).
+
+    A span cut can end the reused span inside a node; what the request stores must still give the
+    node's tokens one depth (a node holds rows exactly for layers < its depth), so the store plan
+    treats the rest of that node like the span: the same layers [node depth, b(.)) for every token
+    of it. The positions after the cut are computed in full by this request (they are not reused),
+    so every layer of them is available to store."""
+    if end <= 0:
+        return end
+    for e0, _ in match.segments:
+        if e0 >= end:
+            return e0
+    return end

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .data import Sample, Task, first_request_rest
-from .measure import AgreementMeter, SimilarityMeter, mean_rows
+from .measure import AgreementMeter, NothingReused, SimilarityMeter, mean_rows
 
 
 @dataclass
@@ -142,6 +142,7 @@ class Driver:
         t0 = self.clock()
         self.log.info("%s: 0%% (0/%d)", label, total)
         done, next_mark, stopped, reason = 0, 25, "", None
+        skipped = 0  # items whose shared prefix the runtime would not reuse at all (NothingReused)
         progress = tqdm(total=total, desc=label, unit="item", disable=None if bar is None else not bar,
                         file=sys.stderr, dynamic_ncols=True)
         try:
@@ -160,7 +161,10 @@ class Driver:
                     break
                 if postfix is not None:
                     progress.set_postfix_str(postfix(it), refresh=False)
-                measure(it)
+                try:
+                    measure(it)
+                except NothingReused:  # the span cut leaves nothing to reuse: no evidence either way
+                    skipped += 1
                 done += 1
                 progress.update()
                 pct = 100 * done // total
@@ -170,6 +174,7 @@ class Driver:
                         next_mark += 25
         finally:
             progress.close()
-        self.log.info("%s: %d%% (%d/%d) in %.1f s%s", label, 100 * done // total, done, total, self.clock() - t0,
+        self.log.info("%s: %d%% (%d/%d) in %.1f s%s%s", label, 100 * done // total, done, total, self.clock() - t0,
+                      f", {skipped} skipped (nothing reused before the span cut)" if skipped else "",
                       f", stopped: {stopped}" if stopped else "")
         return done, reason

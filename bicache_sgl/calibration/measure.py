@@ -17,6 +17,7 @@ r -> b table never exceeds a measured bucket at or above r (``BicacheProfile.mon
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import torch
@@ -93,6 +94,24 @@ def token_agreement(a: Sequence[int], b: Sequence[int]) -> float:
     return sum(1 for x, y in zip(a, b) if x == y) / n
 
 
+class NothingReused(RuntimeError):
+    """The runtime reuses nothing of this measurement's shared prefix (its span cut is at 0): the
+    item says nothing about any depth and is skipped (``Driver.run``)."""
+
+
+def span_end(stack, prompt: Sequence[int], lcp: int) -> int:
+    """Where the runtime's reused span ends for a prompt sharing ``lcp`` leading tokens with a
+    capture that saw more than them: the last segment boundary at or before ``lcp``
+    (``bicache.planner.span_cuts``), from the stack's own boundary tokens (its request factory's
+    ``segments``); ``lcp`` when the stack does not cut the span."""
+    seg = getattr(getattr(stack, "requests", None), "segments", None)
+    if seg is None:
+        return lcp
+    b = seg.positions(prompt)
+    i = bisect_right(b, lcp)
+    return b[i - 1] if i else 0
+
+
 class AgreementMeter:
     """End-to-end: the same request at every depth 0..L through a ``naive`` prefix cache (its nodes
     hold all L layers) that holds S from a prefix-only request or from the first request of
@@ -137,7 +156,13 @@ class AgreementMeter:
             # (whose last prompt token is always recomputed) matches S plus any leading tokens
             # the two questions share.
             self._run([GenerateRequest(s_ids + list(context), params)])
-            expect = task.s_len + min(common_prefix_len(context, prompt[task.s_len:]), len(prompt) - task.s_len - 1)
+            # the runtime's span cut (docs/prefix_cache.md "Where the reused span ends"): the rows
+            # of that first request serve only up to the last segment boundary at or before the
+            # point where the two prompts part; measured exactly as it is served
+            lcp = task.s_len + common_prefix_len(context, prompt[task.s_len:])
+            expect = min(span_end(self.stack, prompt, lcp), len(prompt) - 1)
+            if expect == 0:
+                raise NothingReused("no segment boundary before the shared prefix ends: nothing is reused")
         top = self.L if max_depth is None else max(0, min(int(max_depth), self.L))
         evs = self._run([GenerateRequest(prompt, params, bicache_depth=d) for d in range(top + 1)])
         for d, ev in enumerate(evs):

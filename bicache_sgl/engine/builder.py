@@ -23,6 +23,7 @@ import torch
 from ..bicache.audit import DepthAudit
 from ..bicache.policy import DepthPolicy, make_policy
 from ..bicache.profile import BicacheProfile
+from ..bicache.segments import SegmentBoundaries
 from ..calibration.auto import resolve_profile
 from ..config import DEFAULT_PROBATION, DEFAULT_PROBE_RATE, EngineConfig
 from ..kv_cache.manager import CacheManager, make_cache_manager
@@ -127,7 +128,12 @@ def _assemble(cfg: EngineConfig, loaded: LoadedModel, profile: BicacheProfile | 
     runner = ModelRunner(loaded, cfg.attention_backend, pool)
     admission = Admission(cfg.max_running_requests, memory.request_tokens,
                           prefix_aware=cache.enabled if prefix_aware is None else prefix_aware)
-    requests = RequestFactory(mc, loaded.tokenizer, loaded.eos_ids, cfg.decode, ctx, kv_budget=admission.kv_budget)
+    # the span cut's boundary tokens, read from the tokenizer once (bicache/segments.py); a
+    # measurement stack is built with the same cfg, so calibration measures the runtime's span
+    segments = SegmentBoundaries.from_tokenizer(loaded.tokenizer, loaded.eos_ids) \
+        if cache.enabled and cfg.bicache_span_cut == "segment" else None
+    requests = RequestFactory(mc, loaded.tokenizer, loaded.eos_ids, cfg.decode, ctx, kv_budget=admission.kv_budget,
+                              segments=segments)
     scheduler = Scheduler(admission, cache, requests, pool, mc.n_layers, audit=policy.audit,
                           cache_output=cfg.cache_output, context_length=ctx)
     return EngineParts(cfg, loaded, ctx, profile, policy, memory, pool, cache, runner, requests, scheduler)

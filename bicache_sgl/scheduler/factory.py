@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..bicache.segments import SegmentBoundaries
 from ..config import DecodeDefaults, SamplingParams
 from ..constrained import Constraint, ConstraintError, compile_constraint
 from ..io_struct import GenerateRequest, RequestEvent
@@ -18,8 +19,9 @@ class RequestFactory:
     """Validates submitted requests against the model and builds their state (once per request)."""
 
     def __init__(self, model_config: ModelConfig, tokenizer, eos_ids: tuple[int, ...], decode: DecodeDefaults,
-                 context_length: int, kv_budget: int | None = None) -> None:
+                 context_length: int, kv_budget: int | None = None, segments: SegmentBoundaries | None = None) -> None:
         self.mc, self.tokenizer, self.eos_ids = model_config, tokenizer, eos_ids
+        self.segments = segments  # the prefix span's boundary tokens (None: the span is not cut)
         self.decode, self.context_length = decode, context_length
         self.kv_budget = kv_budget  # the scheduler's whole private-K/V budget (positions); None: unchecked
         self.limits = RequestLimits.of(model_config, decode, context_length, kv_budget)
@@ -35,7 +37,7 @@ class RequestFactory:
         mc = self.mc
         return Req(v.greq, v.plan, mask_id=mc.mask_token_id, eos_ids=self.eos_ids, logit_shift=mc.logit_shift,
                    tokenizer=self.tokenizer, on_event=on_event, seed=0, constraint=self.constraint(v.greq.params),
-                   internal=internal)
+                   internal=internal, segments=self.segments)
 
     def constraint(self, p: SamplingParams) -> Constraint | None:
         """The request's compiled output constraint (:func:`request_constraint`)."""

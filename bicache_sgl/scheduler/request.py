@@ -21,6 +21,7 @@ import torch
 
 from ..bicache.planner import RequestFacts, ReusePlan
 from ..bicache.policy import request_mode
+from ..bicache.segments import SegmentBoundaries
 from ..constrained import Constraint, NoCompletion
 from ..decoding import NEG_INF
 from ..decoding.denoiser import make_denoiser
@@ -46,8 +47,11 @@ class Req:
 
     def __init__(self, greq: GenerateRequest, plan: DecodePlan, *, mask_id: int, eos_ids: tuple[int, ...],
                  logit_shift: int, tokenizer: Any, on_event: Callable[[RequestEvent], None] | None, seed: int,
-                 constraint: Constraint | None = None, internal: bool = False) -> None:
+                 constraint: Constraint | None = None, internal: bool = False,
+                 segments: SegmentBoundaries | None = None) -> None:
         self.greq, self.plan = greq, plan
+        self._segments = segments  # the engine's boundary tokens (None: the prefix span is not cut)
+        self._boundaries: tuple[int, ...] | None = None  # the prompt's, found on the first admission
         self.rid = greq.rid
         self.params = p = greq.params.resolved()  # the factory has filled in the model's defaults
         self.prompt = list(greq.input_ids)
@@ -126,7 +130,18 @@ class Req:
         """What the planner needs to know about this request."""
         # an output capture (internal) may reuse its own prompt's rows: its result is only state
         exact = self.exact and not self.internal
-        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, exact, self.gen_mode)
+        return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, exact, self.gen_mode,
+                            self.boundaries)
+
+    @property
+    def boundaries(self) -> tuple[int, ...] | None:
+        """The prompt's segment boundaries (bicache/segments.py), where its reused span may end;
+        None when the engine does not cut the span."""
+        if self._segments is None:
+            return None
+        if self._boundaries is None:
+            self._boundaries = self._segments.positions(self.prompt_ids)
+        return self._boundaries
 
     @property
     def exact(self) -> bool:
