@@ -30,6 +30,17 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
+def span_depth(meta_info: dict) -> int:
+    """The depth a request's reused span was read at (``meta_info["reused_tokens_by_depth"]``'s
+    deepest entry), 0 when it reused nothing. ``bicache_depth`` is the depth MOST of the match was
+    served at, so a short span under a long match reports 0 there; measurements that ask "at what
+    depth was the span reused" read this."""
+    by_depth = meta_info.get("reused_tokens_by_depth")
+    if by_depth is None:  # a report from before the split (or a block model's): one span, one depth
+        return int(meta_info.get("bicache_depth") or 0)
+    return max((int(d) for d, n in by_depth.items() if n), default=0)
+
+
 @dataclass
 class GenerateRequest:
     """One engine request, typed; validated once against the engine's limits

@@ -26,7 +26,8 @@ from bicache_sgl.training import task
 K, L = 1, 4  # the planted model's true safe depth, and its layers (probes may try 2 and 4)
 G = 8
 SP = {"temperature": 0, "max_new_tokens": G, "block_length": G}
-PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2
+# ends at a segment boundary (a blank line): the span cut lets the prefix be reused up to there
+PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2 + "\n\n"
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 

@@ -33,7 +33,7 @@ from bicache_sgl import Engine
 from bicache_sgl.bicache.policy import request_mode
 from bicache_sgl.bicache.profile import MODE_IGNORE_EOS, MODE_STOP, PROFILE_FILENAME, BicacheProfile
 from bicache_sgl.config import SamplingParams
-from bicache_sgl.io_struct import GenerateRequest
+from bicache_sgl.io_struct import GenerateRequest, span_depth
 from bicache_sgl.models.loader import resolve_model_path
 from bicache_sgl.training.calib_shapes import compositions
 
@@ -76,11 +76,12 @@ def workload_stats(off: Engine, bic: Engine, profile: BicacheProfile) -> dict:
             n += 1
             matched += m["cached_tokens"] > 0
             mode = request_mode(SamplingParams.from_dict(sp), bic.eos_ids)
-            assert m["bicache_depth"] <= profile.lookup(1.0, mode)
+            depth = span_depth(m)  # the depth its reused span was read at (bicache_depth: most of the match)
+            assert m["bicache_depth"] <= depth <= profile.lookup(1.0, mode)
             r_max = m["cached_tokens"] / (m["prompt_tokens"] + GEN_REGION)
-            (stop if mode == MODE_STOP else ign).append((r_max, m["bicache_depth"]))
+            (stop if mode == MODE_STOP else ign).append((r_max, depth))
             if list(a.output_ids) != list(b.output_ids):
-                diffs.append((seed, mode, m["bicache_depth"], m["prefix_fraction"], a.text, b.text))
+                diffs.append((seed, mode, depth, m["prefix_fraction"], a.text, b.text))
     in_range = [d for r, d in stop if first_reusable is not None and 100 * r >= first_reusable]
     return {"n": n, "matched": matched, "diffs": diffs, "stop": stop, "ignore_eos": ign, "in_range": in_range}
 

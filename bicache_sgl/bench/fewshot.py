@@ -56,6 +56,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..flags import add_flags
+from ..io_struct import span_depth
 from ..runtime import Runtime, http_json, parse_server_args
 
 INVALID = -9999999
@@ -196,7 +197,7 @@ def cache_stats(before: dict, after: dict, metas: list[dict]) -> dict:
 
     cached, prompt = delta("cached_tokens_total"), delta("prompt_tokens_total")
     skipped, computed = delta("skipped_layer_tokens"), delta("computed_layer_tokens")
-    depths = [m["bicache_depth"] for m in metas if m.get("bicache_depth") is not None]
+    depths = [span_depth(m) for m in metas if m.get("bicache_depth") is not None]
     req_cached = sum(m.get("cached_tokens", 0) or 0 for m in metas)
     req_prompt = sum(m.get("prompt_tokens", 0) or 0 for m in metas)
     return {

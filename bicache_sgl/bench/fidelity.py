@@ -42,6 +42,7 @@ import torch
 
 from ..config import EngineConfig
 from ..flags import add_flags
+from ..io_struct import span_depth
 
 DEFAULT_RS = (0.2, 0.4, 0.6, 0.8)
 DEFAULT_FIXED = (1, 2, 4)
@@ -184,7 +185,7 @@ def summarize(spec: ModelSpec, items: list[dict], run: dict, base: dict | None) 
     outs = run["outs"]
     n = max(1, len(rest))
     acc = sum(is_correct(spec, items[i], outs[i]["text"]) for i in rest) / n
-    depth = sum(outs[i]["meta_info"].get("bicache_depth") or 0 for i in rest) / n
+    depth = sum(span_depth(outs[i]["meta_info"]) for i in rest) / n
     cached = sum(outs[i]["meta_info"].get("cached_tokens") or 0 for i in rest) / n
     st = run["stats"]
     sk, co = st.get("skipped_layer_tokens", 0), st.get("computed_layer_tokens", 0)

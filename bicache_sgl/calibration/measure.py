@@ -142,7 +142,7 @@ class AgreementMeter:
         """Agreement with depth 0 of the request at each depth 0..``max_depth`` (default L), and
         the outputs."""
         from ..config import SamplingParams
-        from ..io_struct import GenerateRequest
+        from ..io_struct import GenerateRequest, span_depth
         self.stack.flush()
         params = SamplingParams.from_dict({**sampling, "max_new_tokens": min(self.gen_length, task.gen_len),
                                            "temperature": 0.0})
@@ -167,10 +167,10 @@ class AgreementMeter:
         evs = self._run([GenerateRequest(prompt, params, bicache_depth=d) for d in range(top + 1)])
         for d, ev in enumerate(evs):
             m = ev.meta_info
-            if m.get("bicache_depth") != d or (d > 0 and m.get("reused_prefix_tokens") != expect):
+            if span_depth(m) != d or (d > 0 and m.get("reused_prefix_tokens") != expect):
                 raise RuntimeError(
                     f"calibration request at depth {d} reused {m.get('reused_prefix_tokens')} prefix tokens at depth "
-                    f"{m.get('bicache_depth')}; expected {expect} at depth {d} (is the prefix cache large enough?)")
+                    f"{span_depth(m)}; expected {expect} at depth {d} (is the prefix cache large enough?)")
         outs = [list(ev.output_ids) for ev in evs]
         return [token_agreement(outs[0], o) for o in outs], outs
 

@@ -131,7 +131,7 @@ class Req:
         # an output capture (internal) may reuse its own prompt's rows: its result is only state
         exact = self.exact and not self.internal
         return RequestFacts(self.prompt_len, self.capture_len, self.greq.bicache_depth, exact, self.gen_mode,
-                            self.boundaries)
+                            boundaries=self.boundaries)
 
     @property
     def boundaries(self) -> tuple[int, ...] | None:

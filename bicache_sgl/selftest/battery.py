@@ -30,7 +30,7 @@ import torch
 from ..attention import AttentionBackend, create_backend
 from ..config import SamplingParams
 from ..engine.engine import Engine
-from ..io_struct import GenerateRequest, RequestEvent
+from ..io_struct import GenerateRequest, RequestEvent, span_depth
 from ..training.task import heldout_items
 from .depth_forward import DepthForwardReport, compare_depth_forward
 from .report import FAIL, PASS, Row, skipped
@@ -128,7 +128,7 @@ def check_depth0_equals_off(make_engine: EngineFactory, work: Workload) -> Row:
         finally:
             eng.shutdown()
     cached = [ev.meta_info["cached_tokens"] for ev in outs["fixed:0"]]
-    depths = {ev.meta_info["bicache_depth"] for ev in outs["fixed:0"]}
+    depths = {span_depth(ev.meta_info) for ev in outs["fixed:0"]}
     same, lp_diff = _compare(outs["off"], outs["fixed:0"])
     n = len(work.prompts)
     detail = (f"{same}/{n} requests equal to cache off, top-{TOP_LOGPROBS} logprobs within {lp_diff:.1e}; "
@@ -160,8 +160,8 @@ def check_batched_equals_alone(make_engine: EngineFactory, work: Workload, n_lay
         eng.check_integrity()
     finally:
         eng.shutdown()
-    d_alone = [ev.meta_info["bicache_depth"] for ev in alone]
-    d_together = [ev.meta_info["bicache_depth"] for ev in together]
+    d_alone = [span_depth(ev.meta_info) for ev in alone]
+    d_together = [span_depth(ev.meta_info) for ev in together]
     same, lp_diff = _compare(alone, together)
     n = len(work.prompts)
     detail = (f"{same}/{n} requests equal, top-{TOP_LOGPROBS} logprobs within {lp_diff:.1e}; depths {d_together} "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..io_struct import span_depth
 from ..training.task import heldout_items
 from .battery import EngineFactory
 from .report import INFO, Row, skipped
@@ -64,7 +65,7 @@ def throughput_rows(make_engine: EngineFactory, seconds: float) -> list[Row]:
                 tot.seconds += time.perf_counter() - t0
                 tot.tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
                 tot.requests += len(outs)
-                tot.depth_sum += sum(o["meta_info"]["bicache_depth"] for o in outs)
+                tot.depth_sum += sum(span_depth(o["meta_info"]) for o in outs)
                 tot.prompt_tokens += sum(o["meta_info"]["prompt_tokens"] for o in outs)
                 tot.cached_tokens += sum(o["meta_info"]["cached_tokens"] for o in outs)
                 texts[m] = [o["text"] for o in outs]

@@ -27,6 +27,7 @@ from typing import Any
 from .. import Engine
 from ..config import EngineConfig
 from ..flags import add_flags
+from ..io_struct import span_depth
 from . import task
 
 
@@ -112,7 +113,7 @@ def score_modes(engine_for: Any, items: list, modes: list, gen_length: int = 8,
             "accuracy": correct / n, "invalid": invalid / n, "n": len(items),
             "agreement": 1.0 if base is None else sum(a == b for a, b in zip(ids, base)) / n,
             "outputs": [o["text"] for o in outs], "output_ids": ids, "metas": metas,
-            "mean_depth": sum(m.get("bicache_depth") or 0 for m in metas) / n,
+            "mean_depth": sum(span_depth(m) for m in metas) / n,
             "mean_cached_tokens": sum(m.get("cached_tokens") or 0 for m in metas) / n,
             "skipped_layer_tokens": stats.get("skipped_layer_tokens", 0),
             "computed_layer_tokens": stats.get("computed_layer_tokens", 0),
