@@ -94,3 +94,34 @@ def test_without_prefix_awareness_captures_hold_nothing():
     adm.add(capture)
     adm.add(turn2)
     assert adm.select(0, lambda r: 0) == [capture, turn2]
+
+
+def test_requests_that_could_reuse_a_shared_prefix_wait_for_it_and_others_do_not():
+    """Eight requests sharing a 256-token uncached head (bench_serving's generated-shared-prefix):
+    when the policy would let them reuse it, only the first is admitted and the rest wait one
+    forward for its capture; when it would not (their mode's table gives depth 0 there), waiting
+    gains nothing, so all are admitted together in one batch."""
+    head = list(range(1000, 1256))
+    group = [_R(head + [5000 + i, 6000 + i]) for i in range(8)]
+    for reusable, first_round in ((lambda r, n: True, 1), (lambda r, n: False, 8), (None, 1)):
+        adm = Admission(max_running=16, kv_budget=1000, min_shared=16)
+        for r in group:
+            adm.add(r)
+        got = adm.select(0, _cached([]), reusable)
+        assert len(got) == first_round and got[0] is group[0]
+        # once the head is cached nobody waits for it
+        assert len(adm.select(0, _cached([head]), lambda r, n: True)) == 8 - first_round
+
+
+def test_a_cached_prefix_that_cannot_serve_is_computed_once_then_reused():
+    """A prefill-only hint cached the family's 115-token block, but its rows cannot serve a
+    question (b(115 / N) = 0); the questions share 125 tokens, which they could reuse (b > 0). One
+    question is admitted to re-capture the block; the others wait one forward for its rows."""
+    block = list(range(2000, 2115))
+    qs = [_R(block + list(range(3000, 3010)) + [4000 + i, 4100 + i]) for i in range(5)]
+    adm = Admission(max_running=16, kv_budget=1000, min_shared=16)
+    for r in qs:
+        adm.add(r)
+    could = lambda r, n: n >= 120  # noqa: E731  (the hint's 115 tokens: no; the 125 shared: yes)
+    assert adm.select(0, _cached([block]), could) == [qs[0]]
+    assert adm.select(1, _cached([block, qs[0].prompt]), could) == qs[1:]

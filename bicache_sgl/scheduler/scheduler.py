@@ -57,7 +57,14 @@ class Admission:
     - When several waiting requests share a prefix that is not cached yet, only the first is
       admitted this round; it inserts the prefix after its first forward, so the others hit the
       cache when they are admitted on the next step. ``min_shared`` tokens of uncached common
-      prefix trigger the deferral.
+      prefix trigger the deferral, and only for a request that could reuse them (``reusable``:
+      the policy gives depth > 0 to that shared length in its generation mode): waiting a
+      forward for a prefix it will recompute anyway only splits the batch (SGLang's
+      generated-shared-prefix requests, ``ignore_eos``, on a model whose ignore_eos table is 0).
+      A cached prefix the request could not reuse at that length counts as not cached: a
+      prefill-only hint's rows (context: the prefix alone) serve a question only at b(hint / N);
+      the first question re-captures them (docs/prefix_cache.md), and the rest wait one
+      forward to reuse its rows.
     - A request that shares with an earlier waiting output capture (``internal``: a finished
       turn's prompt + answer, queued for the cache) more than is cached of either prompt (the
       capture will insert part of this prompt: the next turn continues into the answer) waits
@@ -85,9 +92,11 @@ class Admission:
         except ValueError:
             return False
 
-    def select(self, num_running: int, cached_len: Callable[[Schedulable], int]) -> list:
+    def select(self, num_running: int, cached_len: Callable[[Schedulable], int],
+               reusable: Callable[[Schedulable, int], bool] | None = None) -> list:
         """Pop and return the requests to admit now; their K/V is counted as in use until
-        :meth:`finished` is called for each."""
+        :meth:`finished` is called for each. ``reusable(r, n)``: whether ``r`` could reuse ``n``
+        leading tokens once cached (None: any request could)."""
         free = self.max_running - num_running
         if free <= 0 or not self.waiting:
             return []
@@ -107,9 +116,13 @@ class Admission:
             if len(picked) >= free:
                 break
             r = cands[i]
-            if self.prefix_aware and picked and \
-                    any(common_prefix_len(p.prompt_ids, r.prompt_ids) >= cached[i] + self.min_shared for p in picked):
-                continue  # a picked request computes this shared prefix first
+            if self.prefix_aware and picked:
+                shared = max(common_prefix_len(p.prompt_ids, r.prompt_ids) for p in picked)
+                # what is cached counts only if it could serve r (a prefill-only hint's rows
+                # serve only up to b(hint / N), often 0: then a picked request re-captures it)
+                base = cached[i] if reusable is None or not cached[i] or reusable(r, cached[i]) else 0
+                if shared >= base + self.min_shared and (reusable is None or reusable(r, shared)):
+                    continue  # a picked request computes this shared prefix first
             if any(j < i and common_prefix_len(c.prompt_ids, r.prompt_ids) > max(cached[i], cached[j])
                    for j, c in captures):
                 continue  # a pending output capture (picked or not yet) inserts more of this prompt
@@ -246,6 +259,14 @@ class Scheduler:
             req.fail(f"internal error in the forward pass: {type(e).__name__}: {e}", "error")
         return self.retire_finished()
 
+    def _reusable(self, req: Req, shared: int) -> bool:
+        """Whether ``req`` could reuse ``shared`` leading tokens captured by a request like it: the
+        engine's depth for that fraction of its sequence in its generation mode (an output capture
+        stores for the next turn, whatever it is: always)."""
+        if req.internal:
+            return True
+        return self.cache.policy.target_depth(shared / max(req.seq_len, 1), req.gen_mode) > 0
+
     def _admit(self) -> list[Req]:
         """Admit what fits: the request takes its private buffers and the cache manager's grant
         (``Req.admit``), the audit picks it or not, its K/V points at the rows it reuses. Returns
@@ -254,7 +275,7 @@ class Scheduler:
         failed: list[Req] = []
         if not self.admission.waiting:
             return failed
-        for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt_ids)):
+        for req in self.admission.select(len(self.running), lambda r: self.cache.peek(r.prompt_ids), self._reusable):
             self.running.append(req)
             try:
                 facts = self.audit.probe(req, req.facts())  # drawn to probe deeper, or not
