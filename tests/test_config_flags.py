@@ -112,6 +112,7 @@ SHARED_FLAG_CLIS: dict[str, dict[str, tuple]] = {
         "--control": ("control", "none,remove,shuffle"),
         "--device": ("device", "auto"),
         "--gen-length": ("gen_length", "8"),
+        "--ignore-eos": ("ignore_eos", False),
         "--kind": ("kind", "code"),
         "--max-running-requests": ("max_running_requests", 64),
         "--model": ("model", None),

@@ -312,3 +312,50 @@ def test_train_runs_and_checkpoints(tmp_path):
     mb, _ = load_model(str(tmp_path / "b"), "float32")
     for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
         assert torch.equal(pa, pb), name
+
+
+def test_continuation_text_repeats_the_question_in_format():
+    assert task.continuation_text("K", "7", 2) == " 7"
+    text = task.continuation_text("K", "7", 60)
+    assert len(text) == 60
+    assert text.startswith(" 7\n\nQuestion: K\nAnswer: 7\n\nQuestion: K\nAnswer: 7")
+    period = len(task.EXAMPLE_SEP + task.format_example("K", "7"))
+    assert all(text[i] == text[i - period] for i in range(period, 60))  # a copy one example back
+    assert task.in_format(text, "7") and task.in_format(text.replace(": K", ": G"), "7")
+    assert not task.in_format(text.replace(": K", ": g"), "7") and not task.in_format(text, "3")
+    assert not task.in_format(" 7\n\n\n\n", "7")
+
+
+def test_format_prob_sets_the_region_past_the_answer():
+    """--format-prob 1: the region is the format continuation (no EOS); 0: the answer + EOS padding,
+    drawing the same random numbers as before the option existed (older runs replay)."""
+    from bicache_sgl.training import train
+
+    ids, start, _ = train.make_sequence(random.Random(5), 3, 30, 2, "code", format_prob=1.0)
+    prompt = tk.decode(ids[:start])
+    key, answer = prompt[-9], tk.decode(ids[start:start + 2]).strip()
+    assert ids[start:] == tk.encode(task.continuation_text(key, answer, 30))
+    assert tk.EOS_ID not in ids[start:]
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    plain = train.make_sequence(rng_a, 3, 30, 2, "code")
+    assert train.make_sequence(rng_b, 3, 30, 2, "code", format_prob=0.0) == plain
+    assert rng_a.random() == rng_b.random()
+    assert plain[0][plain[1] + 2:] == [tk.EOS_ID] * 28
+
+
+def test_train_init_starts_from_a_checkpoint(tmp_path):
+    """--init loads a checkpoint's weights by their LLaDA names: zero steps from it save it back
+    unchanged."""
+    import torch
+
+    from bicache_sgl.models.loader import load_model
+    from bicache_sgl.training import train
+
+    argv = ["--batch-size", "4", "--d-model", "16", "--n-layers", "2", "--n-heads", "2",
+            "--eval-every", "100", "--max-gen", "8", "--save-every-min", "100"]
+    train.main(["--out", str(tmp_path / "a"), "--steps", "1", "--seed", "3", *argv])
+    train.main(["--out", str(tmp_path / "b"), "--steps", "0", "--init", str(tmp_path / "a"), *argv])
+    ma, _ = load_model(str(tmp_path / "a"), "float32")
+    mb, _ = load_model(str(tmp_path / "b"), "float32")
+    for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(pa, pb), name

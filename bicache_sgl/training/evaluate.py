@@ -59,6 +59,24 @@ def score(engine, items: list, gen_length: int = 8) -> dict:
     return {"accuracy": correct / n, "invalid": invalid / n, "n": len(items), "outputs": outputs}
 
 
+def score_format(engine, items: list, gen_length: int = 32) -> dict:
+    """Forced continuation (``ignore_eos``: EOS banned, every position output): ``format``, the share
+    whose whole region equals ``task.continuation_text`` (the answer, then the question and answer
+    again); ``shape``, the share in that format with any key letter (``task.in_format``); the share
+    whose answer is right; the outputs."""
+    params = {**greedy_params(gen_length), "ignore_eos": True}
+    outs = engine.generate([it["prompt"] for it in items], params) if items else []
+    fmt = shape = correct = 0
+    texts = []
+    for it, out in zip(items, outs):
+        texts.append(out["text"])
+        fmt += int(out["text"] == task.continuation_text(it["question"], it["answer"], gen_length))
+        shape += int(task.in_format(out["text"], it["answer"]))
+        correct += int(task.extract_answer(out["text"]) == it["answer"])
+    n = max(1, len(items))
+    return {"format": fmt / n, "shape": shape / n, "accuracy": correct / n, "n": len(items), "outputs": texts}
+
+
 def _first_per_family(items: list) -> tuple[list[int], list[int]]:
     """Indices of each family's first item, and of the others (in order)."""
     seen, first, rest = set(), [], []
@@ -132,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--control", default="none,remove,shuffle",
                     help="comma-separated subset of none,remove,shuffle")
     ap.add_argument("--kind", default=task.DEFAULT_KIND, choices=list(task.KINDS))
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="also decode with ignore_eos and report the share of continuations in the "
+                         "prompt's format (score_format) with a few samples")
     ap.add_argument("--threads", type=int, default=1)
     add_flags(ap, EngineConfig, only=("max_running_requests", "device"), defaults={"max_running_requests": 64})
     ap.add_argument("--prefix-cache", default=None,
@@ -158,6 +179,14 @@ def main(argv=None):
                     print(json.dumps({"num_shots": shots, "gen_length": g, "control": mode,
                                       "accuracy": round(r["accuracy"], 4), "invalid": round(r["invalid"], 4),
                                       "n": r["n"], "seconds": round(time.time() - t0, 1)}), flush=True)
+                    if args.ignore_eos:
+                        t0 = time.time()
+                        f = score_format(engine, its, g)
+                        print(json.dumps({"num_shots": shots, "gen_length": g, "control": mode, "ignore_eos": True,
+                                          "format": round(f["format"], 4), "shape": round(f["shape"], 4),
+                                          "accuracy": round(f["accuracy"], 4),
+                                          "n": f["n"], "samples": f["outputs"][:3],
+                                          "seconds": round(time.time() - t0, 1)}), flush=True)
     finally:
         engine.shutdown()
 

@@ -167,6 +167,32 @@ def target_text(answer: str) -> str:
     return " " + answer
 
 
+def continuation_text(question: str, answer: str, gen_len: int) -> str:
+    """The generation region of a sample trained to continue in the prompt's format (train.py
+    ``--format-prob``): the answer, then the same question and answer again, example after example,
+    cut at ``gen_len`` characters with no EOS::
+
+        " 7" + "\n\nQuestion: K\nAnswer: 7" + "\n\nQuestion: K\nAnswer: 7" + ...
+
+    It repeats the question just asked (not a new key): every character is a copy of the one an
+    example's length (23 characters) earlier, a function of the prompt, so a forced continuation
+    (``ignore_eos``) is decided as firmly as the answer is; a new key would be an argmax among
+    near-equal candidates, which any perturbation of the prefix state flips."""
+    one = EXAMPLE_SEP + format_example(question, answer)
+    text = target_text(answer)
+    while len(text) < gen_len:
+        text += one
+    return text[:gen_len]
+
+
+def in_format(generated: str, answer: str) -> bool:
+    """Whether a forced continuation has the prompt's format: ``continuation_text`` with any
+    upper-case letter as each repeated question's key (the answer must be right everywhere)."""
+    want = continuation_text("K", answer, len(generated))
+    keys = {i for i in range(len(want)) if want[:i].endswith(QUESTION_PREFIX)}
+    return all(g.isupper() if i in keys else g == w for i, (g, w) in enumerate(zip(generated, want)))
+
+
 def extract_answer(generated: str) -> str:
     """Parse a model continuation: the first line, stripped."""
     return generated.strip().split("\n")[0].strip()

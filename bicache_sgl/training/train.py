@@ -87,6 +87,13 @@ def parse_args(argv=None):
                     help="each training prefix repeats 1..N of its examples with the value masked "
                          "(in-prefix lookup queries, an auxiliary loss); 0 disables")
     ap.add_argument("--query-weight", type=float, default=1.0)
+    ap.add_argument("--format-prob", type=float, default=0.0,
+                    help="share of sequences whose generation region continues in the prompt's format "
+                         "past the answer (task.continuation_text: the question and answer again, no "
+                         "EOS) instead of EOS padding; see docs/default_model.md")
+    ap.add_argument("--init", default=None,
+                    help="checkpoint folder to start from (fine-tuning); its config must match the "
+                         "model flags (default: a fresh initialisation from --seed)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-questions", type=int, default=100)
     ap.add_argument("--save-every-min", type=float, default=5.0)
@@ -102,8 +109,14 @@ def max_shots_at(step: int, args) -> int:
 
 
 def make_sequence(rng: random.Random, num_shots: int, gen_len: int, dup_queries: int,
-                  kind: str = task.DEFAULT_KIND):
-    """Token ids, generation-region start, and positions of in-prefix value queries."""
+                  kind: str = task.DEFAULT_KIND, format_prob: float = 0.0):
+    """Token ids, generation-region start, and positions of in-prefix value queries.
+
+    With probability ``format_prob`` the generation region is ``task.continuation_text`` (the
+    answer, then the same question and answer again in the prompt's format, no EOS) instead of the
+    answer + EOS padding. The two targets agree on the answer and differ only past it, where the
+    model learns P(EOS) = 1 - format_prob and, among the other tokens, the format: greedy decoding
+    stops after the answer, and with EOS banned (``ignore_eos``) continues in format."""
     fam = task.random_family(rng, num_shots, "train", kind)
     examples = [(k, v, False) for k, v in fam.pairs]
     for _ in range(rng.randint(1, dup_queries) if dup_queries else 0):
@@ -119,8 +132,12 @@ def make_sequence(rng: random.Random, num_shots: int, gen_len: int, dup_queries:
             queries.append(len(ids) - 1)  # the value character
     ids += tk.encode((task.EXAMPLE_SEP if examples else "") + task.build_prompt("", qk))
     start = len(ids)
-    tgt = tk.encode(task.target_text(qv))
-    ids += tgt + [tk.EOS_ID] * (gen_len - len(tgt))
+    # drawn only when used, so that --format-prob 0 replays the earlier runs' data stream
+    if format_prob > 0 and rng.random() < format_prob:
+        ids += tk.encode(task.continuation_text(qk, qv, gen_len))
+    else:
+        tgt = tk.encode(task.target_text(qv))
+        ids += tgt + [tk.EOS_ID] * (gen_len - len(tgt))
     return ids, start, queries
 
 
@@ -138,7 +155,7 @@ def make_batch(rng: random.Random, gen: torch.Generator, step: int, args):
     for _ in range(B):
         m = rng.randint(1, hi)
         g = sample_gen_len(rng, args)
-        seqs.append((make_sequence(rng, m, g, args.dup_queries, args.task), g))
+        seqs.append((make_sequence(rng, m, g, args.dup_queries, args.task, args.format_prob), g))
     n = max(len(s[0][0]) for s in seqs)
     ids = torch.full((B, n), tk.EOS_ID, dtype=torch.long)
     valid = torch.zeros((B, n), dtype=torch.bool)
@@ -236,9 +253,22 @@ def save(model, config, args, out, info):
     _atomic_write(os.path.join(out, "train_info.json"), _write_json(info))
 
 
+def load_init(model: DiffusionLM, folder: str) -> None:
+    """Start from a checkpoint (``--init``): its LLaDA tensors, by name, into ``model`` (strict)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    names = checkpoint_names(model.cfg)
+    missing = [ck for ck, _ in names.values() if ck not in tensors]
+    if missing or len(tensors) != len(names):
+        raise ValueError(f"--init {folder}: tensors differ from the model's (missing {missing[:3]})")
+    model.load_state_dict({ours: tensors[ck].float() for ours, (ck, _) in names.items()}, strict=True)
+
+
 def quick_eval(model, config, args):
-    """Held-out accuracy of the current weights, decoded by the serving engine (float32 copy)."""
-    from .evaluate import make_engine, score
+    """Held-out accuracy of the current weights, decoded by the serving engine (float32 copy); with
+    ``--format-prob``, also the share of ignore_eos continuations in format (``score_format``)."""
+    from .evaluate import make_engine, score, score_format
 
     res = {}
     with tempfile.TemporaryDirectory(prefix="bicache-train-eval-") as tmp:
@@ -251,6 +281,9 @@ def quick_eval(model, config, args):
             items = task.heldout_items(args.eval_questions, 5, seed=1, kind=args.task)
             res["control_shuffle@5shot"] = score(engine, task.control_items(items, "shuffle"),
                                                  gen_length=8)["accuracy"]
+            if args.format_prob > 0:
+                for g in (16, 32):
+                    res[f"format@5shot,G{g}"] = score_format(engine, items[:50], g)["format"]
         finally:
             engine.shutdown()
     return res
@@ -267,6 +300,8 @@ def main(argv=None):
     config = llada_config(args)
     model = DiffusionLM(parse_model_config(config))
     init_weights(model, torch.Generator().manual_seed(args.seed))
+    if args.init:
+        load_init(model, args.init)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
