@@ -159,18 +159,24 @@ def cfg_bool(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
     raise CheckpointError(f"config.json: {key} must be true or false, got {v!r}")
 
 
-def cfg_ids(cfg: Mapping[str, Any], key: str, default: Any) -> tuple[int, ...]:
-    """A token id or a list of them (eos_token_id)."""
-    _, v = cfg_get(cfg, (key,), default)
+def id_list(v: Any, where: str, key: str) -> tuple[int, ...]:
+    """A token id or a list of them (integral floats accepted), read from ``where``'s ``key``;
+    anything else is a CheckpointError naming both."""
     items = v if isinstance(v, (list, tuple)) else [v]
     out = []
     for x in items:
         if isinstance(x, float) and x.is_integer():
             x = int(x)
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise CheckpointError(f"config.json: {key} must be a token id or a list of token ids, got {v!r}")
+            raise CheckpointError(f"{where}: {key} must be a token id or a list of token ids, got {v!r}")
         out.append(x)
     return tuple(out)
+
+
+def cfg_ids(cfg: Mapping[str, Any], key: str, default: Any) -> tuple[int, ...]:
+    """A token id or a list of them (eos_token_id)."""
+    _, v = cfg_get(cfg, (key,), default)
+    return id_list(v, "config.json", key)
 
 
 def heads_split(d: int, n_heads: int, d_key: str, h_key: str) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .spec import CheckpointError
+from .spec import CheckpointError, id_list
 
 MASK_TOKEN = "<|mask|>"  # the dllm pipelines' (and LLaDA-MoE's / LLaDA2's tokenizers') mask token
 
@@ -61,18 +61,11 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def _id_list(v: Any, where: str, key: str) -> tuple[int, ...]:
-    """A token id or a list of them (integral floats accepted), else a CheckpointError."""
-    items = v if isinstance(v, (list, tuple)) else [v]
-    out = []
-    for x in items:
-        if isinstance(x, float) and x.is_integer():
-            x = int(x)
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise CheckpointError(f"{where}: {key} must be a token id or a list of token ids, got {v!r}")
-        out.append(x)
+    """A token id or a non-empty list of them (integral floats accepted), else a CheckpointError."""
+    out = id_list(v, where, key)
     if not out:
         raise CheckpointError(f"{where}: {key} must be a token id or a list of token ids, got {v!r}")
-    return tuple(out)
+    return out
 
 
 class _Tokenizer:
