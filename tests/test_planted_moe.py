@@ -26,7 +26,8 @@ from bicache_sgl.testing.planted_moe import make_planted_llada_moe
 K, L = 2, 6
 G = 8
 SP = {"temperature": 0, "max_new_tokens": G, "block_length": G}
-PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2
+# ends at a segment boundary (a blank line): the span cut lets B reuse A's rows up to there
+PREFIX = "System: answer with the digit that the question holds. Be brief and exact. " * 2 + "\n\n"
 Q_A, Q_B = "Question 3: which digit?", "Question 7: which digit?"
 
 
@@ -96,7 +97,7 @@ def test_calibration_finds_at_most_k(planted_moe, tmp_path):
     """The agreement criterion through the CLI, at two prefix fractions r (each request's length
     puts it at its bucket: |prefix| / (|prefix + suffix| + gen) = r, one token per character)."""
     filler = " is the question: tell me which digit it is, please, in as few characters as you can" * 7
-    prefix, gen, fractions = PREFIX[:60], 4, (30.0, 70.0)
+    prefix, gen, fractions = PREFIX[:58] + "\n\n", 4, (30.0, 70.0)  # ends at a boundary: the span cut
     data = tmp_path / "data.jsonl"
     with data.open("w") as f:
         for r in fractions:
