@@ -4,6 +4,7 @@ capture never pays the kernel's first-touch page faults inside a forward (issue 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import numpy as np
@@ -37,7 +38,10 @@ def resident_fraction(t: torch.Tensor) -> float:
 
 @linux_only
 def test_prefault_backs_a_lazy_tensor_and_keeps_its_contents():
-    t = torch.empty(16 << 20, dtype=torch.uint8)  # a fresh mapping: the kernel backs it on first write
+    # a fresh anonymous mapping: the kernel backs it on first write (torch.empty may hand out heap
+    # memory an earlier test already touched, once malloc's mmap threshold has grown)
+    mm = mmap.mmap(-1, 16 << 20)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
     assert resident_fraction(t) < 0.5
     t[:PAGE * 3].fill_(7)
     prefault(t)
@@ -46,11 +50,11 @@ def test_prefault_backs_a_lazy_tensor_and_keeps_its_contents():
 
 
 @linux_only
-def test_pool_prefix_rows_are_resident_at_construction_and_request_rows_stay_lazy():
+def test_pool_prefix_rows_are_resident_at_construction():
     pool = KVPool(Shape(), token_capacity=8192, row_capacity=32768, request_row_capacity=65536, dtype=torch.float32,
                   device=torch.device("cpu"))
     st = pool.store
     for t in (st.k[:32768], st.v[:32768], st.h):
         assert resident_fraction(t) == 1.0
-    # the private rows are used alike with the cache off: left to the first forward that needs them
-    assert resident_fraction(st.k[32768:]) < 0.5
+    # the private rows (used alike with the cache off) are not prefaulted; whether they are resident
+    # depends on what the allocator hands out, so only the prefix rows are checked
