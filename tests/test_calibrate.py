@@ -28,12 +28,7 @@ def _text(rng, n_words):
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture()

@@ -153,6 +153,13 @@ def request_policy(engine_policy: DepthPolicy, facts: RequestFacts) -> DepthPoli
     return engine_policy.probing() if facts.probe else engine_policy
 
 
+def last_boundary(boundaries: Sequence[int], pos: int) -> int:
+    """The last of the sorted segment ``boundaries`` at or before ``pos`` (0 when there is none):
+    where a span that may run up to ``pos`` ends."""
+    i = bisect_right(boundaries, pos)
+    return boundaries[i - 1] if i else 0
+
+
 def span_cuts(match: MatchFacts, boundaries: Sequence[int] | None) -> dict[int, int] | None:
     """Per capture context c of the match, the first position its rows may NOT serve (the span cut,
     docs/prefix_cache.md "Where the reused span ends"): the last segment boundary at or before
@@ -162,14 +169,7 @@ def span_cuts(match: MatchFacts, boundaries: Sequence[int] | None) -> dict[int, 
     no cut (every context's rows serve up to the match's end)."""
     if boundaries is None:
         return None
-    out: dict[int, int] = {}
-    for c, (lcp, n_c) in match.shared.items():
-        if lcp >= n_c:
-            out[c] = lcp
-        else:
-            i = bisect_right(boundaries, lcp)
-            out[c] = boundaries[i - 1] if i else 0
-    return out
+    return {c: lcp if lcp >= n_c else last_boundary(boundaries, lcp) for c, (lcp, n_c) in match.shared.items()}
 
 
 def usable_depths(policy: DepthPolicy, match: MatchFacts, seq_len: int, mode: str = MODE_IGNORE_EOS,
@@ -352,8 +352,7 @@ def store_ranges(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFa
     # (the last boundary of its prompt): past it, re-capturing serves nobody like it
     limit = match.length
     if facts.boundaries is not None:
-        i = bisect_right(facts.boundaries, facts.prompt_len)
-        limit = min(limit, facts.boundaries[i - 1] if i else 0)
+        limit = min(limit, last_boundary(facts.boundaries, facts.prompt_len))
     if served is not None and want > 0 and k_full > 0:
         bounds, per_run = served
         run0, _, held_r = match.run_rows()  # served runs may split these: find each one's own
@@ -393,8 +392,8 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
     r_bind = 0.0
     served = None  # (run bounds, usable depth per run) under the engine's policy: re-capture's test
     probe_r = None
+    cuts = span_cuts(match, facts.boundaries)
     if match.length > 0 and facts.seq_len > 0 and policy.uses_cache and policy.max_node_depth > 0:
-        cuts = span_cuts(match, facts.boundaries)
         bounds, usable, r_of = _usable_runs(policy, match, facts.seq_len, facts.mode, cuts)
         if policy is engine_policy:
             served = (bounds, usable)
@@ -415,8 +414,7 @@ def plan_reuse(engine_policy: DepthPolicy, facts: RequestFacts, match: MatchFact
                           if (block[:, engine_policy.target_depth(r_of[c], facts.mode):] == c).any()]
                 probe_r = min(beyond) if beyond else None
     if served is None and match.length > 0 and facts.seq_len > 0 and engine_policy.max_node_depth > 0:
-        served = _usable_runs(engine_policy, match, facts.seq_len, facts.mode,
-                              span_cuts(match, facts.boundaries))[:2]
+        served = _usable_runs(engine_policy, match, facts.seq_len, facts.mode, cuts)[:2]
     store, recapture = store_ranges(engine_policy, facts, match, start, _node_end(match, end), depth, served)
     return ReusePlan(match.length, end, depth, r_bind, start, facts.seq_len, store, facts.mode, recapture, probe_r)
 

@@ -17,11 +17,11 @@ r -> b table never exceeds a measured bucket at or above r (``BicacheProfile.mon
 from __future__ import annotations
 
 import logging
-from bisect import bisect_right
 from collections.abc import Sequence
 
 import torch
 
+from ..bicache.planner import last_boundary
 from ..bicache.profile import MAX_BOUND, BicacheProfile, bucket_depth, flip_bound
 from .data import (
     DEFAULT_CACHED_CONTEXT,
@@ -107,9 +107,7 @@ def span_end(stack, prompt: Sequence[int], lcp: int) -> int:
     seg = getattr(getattr(stack, "requests", None), "segments", None)
     if seg is None:
         return lcp
-    b = seg.positions(prompt)
-    i = bisect_right(b, lcp)
-    return b[i - 1] if i else 0
+    return last_boundary(seg.positions(prompt), lcp)
 
 
 class AgreementMeter:

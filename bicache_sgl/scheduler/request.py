@@ -364,11 +364,10 @@ class Req:
         rest of the match at 0 (computed in full). Empty without a match; an audited request
         (answered from its exact forward) reused nothing."""
         c = self.choice
-        out: dict[int, int] = {}
-        if c.reused and c.depth:
-            out[c.depth] = c.reused
-        if c.matched - (c.reused if c.depth else 0) > 0:
-            out[0] = c.matched - (c.reused if c.depth else 0)
+        reused = c.reused if c.depth else 0
+        out: dict[int, int] = {c.depth: reused} if reused else {}
+        if c.matched > reused:
+            out[0] = c.matched - reused
         return out
 
     def meta_info(self) -> dict[str, Any]:
@@ -378,7 +377,7 @@ class Req:
         the whole split (docs/prefix_cache.md, "What a request reports")."""
         c = self.choice
         by_depth = self.reused_by_depth()
-        reused = by_depth.get(c.depth, 0) if c.depth else 0
+        reused = c.reused if c.depth else 0
         m = {
             "id": self.rid,
             "finish_reason": self.finish_reason,

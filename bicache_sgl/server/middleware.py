@@ -3,6 +3,7 @@ shutdown 503, body size limit, and per-route status counts for /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -132,8 +133,6 @@ def _content_length(scope: dict) -> int | None:
 async def _drain(receive: Receive, limit: int | None, timeout: float = 5.0) -> None:
     """Read and drop a request's body: until its end, ``limit`` bytes (0 or None: no limit beyond
     16 MiB), a disconnect, or ``timeout`` seconds (a client that stops sending is not waited for)."""
-    import asyncio
-
     cap = limit or 16 * 1024 * 1024
     seen = 0
 
